@@ -1,0 +1,37 @@
+"""`torchrun -m ddptrain` / `python -m ddptrain`: config -> distributed setup -> Trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from ddptrain.config import register_configs, validate
+from ddptrain.distributed import destroy_distributed, env_world_size, init_distributed, setup_logging
+from ddptrain.trainer import Trainer
+
+# conf/ sits at the top of a source checkout; an installed wheel carries it as ddptrain.conf.
+_SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else "pkg://ddptrain.conf"
+
+
+def train(cfg: DictConfig) -> None:
+    setup_logging()
+    validate(cfg, env_world_size())  # before the process group: fails fast on every rank
+    dist_info = init_distributed(cfg.dist.timeout_s)
+    trainer = Trainer(cfg, dist_info)
+    try:
+        trainer.build().fit()
+    finally:
+        trainer.close()
+        destroy_distributed()
+
+
+def main() -> None:
+    register_configs()
+    hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")(train)()
+
+
+if __name__ == "__main__":
+    main()

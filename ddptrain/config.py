@@ -1,0 +1,217 @@
+"""Typed config: dataclasses in Hydra's ConfigStore, and their validation in one place.
+
+YAML under conf/ only picks and overrides these defaults. `validate` runs before the process
+group starts, on every rank, so a bad value fails fast everywhere with the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config value breaks a rule; the message names the key, the value and the rule."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory shared by every rank: metrics.jsonl, config.yaml, train.log, checkpoints."""
+    seed: int = 1234
+    """Seed of the model init and of the data order (the global batch of step t depends on it)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    """Optimizer steps to train."""
+    log_every: int = 10
+    """Write a metrics line every this many steps (and at the last step)."""
+    precision: str = "fp32"
+    """fp32 | fp64 | bf16 (autocast); fp16 is not supported yet."""
+    grad_clip: Optional[float] = 1.0
+    """Clip the global gradient norm to this value (null: no clipping)."""
+    empty_step: str = "skip"
+    """A global batch without any valid target token: skip (no update, counted, warned) | stop."""
+    nonfinite: str = "skip"
+    """A non-finite gradient norm: skip (no update, counted, warned) | stop."""
+    eval_every: int = 0
+    """Validation loss every this many steps (0: only after the last step)."""
+    eval_examples: int = 64
+    """Size of the fixed validation set (examples taken from the validation split)."""
+
+
+@dataclass
+class BatchConfig:
+    global_size: int = 16
+    """Sequences per optimizer step, over all ranks and microbatches."""
+    micro_size: int = 8
+    """Sequences per microbatch per rank."""
+    seq_len: int = 256
+    """Tokens per sequence (inputs); documents are cut to this and their ends padded."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """adamw | sgd"""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms and biases)."""
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    schedule: str = "cosine"
+    """cosine | constant, after linear warmup."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of lr."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"
+    """Model family (gpt)."""
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    n_embd: int = 128
+    """Embedding width (divisible by n_head)."""
+    dropout: float = 0.0
+    """Dropout probability (0 keeps steps deterministic)."""
+    bias: bool = False
+    """Biases in linear and norm layers."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"
+    """stdlib: the running interpreter's standard-library sources, byte tokens."""
+    val_percent: float = 5.0
+    """Percent of documents (by a hash of their name) held out for validation."""
+    max_docs: Optional[int] = None
+    """Use only the first N documents (quick experiments and tests)."""
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "ddp"
+    """ddp | zero1 | zero2 | zero3"""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size."""
+    find_unused_parameters: bool = False
+    """DDP: allow parameters that get no gradient in a step."""
+    deepspeed: dict = field(default_factory=dict)
+    """Extra DeepSpeed config keys (ZeRO strategies only), checked against ours."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"
+    """online | offline | disabled"""
+    project: str = "ddptrain"
+    """wandb project."""
+    name: Optional[str] = None
+    """wandb run name (default: the run dir's name)."""
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class DistConfig:
+    timeout_s: float = 600.0
+    """Process-group timeout: a dead or stuck peer fails the run after this many seconds."""
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="base_config", node=TrainConfig)
+
+
+_CHOICES = {
+    "trainer.precision": ("fp32", "fp64", "bf16"),
+    "trainer.empty_step": ("skip", "stop"),
+    "trainer.nonfinite": ("skip", "stop"),
+    "optim.name": ("adamw", "sgd"),
+    "optim.schedule": ("cosine", "constant"),
+    "model.name": ("gpt",),
+    "data.name": ("stdlib",),
+    "strategy.name": ("ddp", "zero1", "zero2", "zero3"),
+    "logger.wandb.mode": ("online", "offline", "disabled"),
+}
+
+_POSITIVE = (
+    "trainer.max_steps", "trainer.log_every", "trainer.eval_examples", "batch.global_size", "batch.micro_size",
+    "batch.seq_len", "model.n_layer", "model.n_head", "model.n_embd", "dist.timeout_s",
+)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg: Any, world_size: int) -> int:
+    """Check every rule; return the gradient accumulation steps. Raises ConfigError."""
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            hint = " (fp16 needs a grad scaler and is not supported yet; use bf16)" if value == "fp16" else ""
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
+    for key in _POSITIVE:
+        value = _get(cfg, key)
+        if not value > 0:
+            raise ConfigError(f"{key}={value!r} must be > 0")
+    for key in ("trainer.eval_every", "optim.warmup_steps"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
+    if cfg.trainer.grad_clip is not None and not cfg.trainer.grad_clip > 0:
+        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip!r} must be > 0 or null (no clipping)")
+    if not cfg.optim.lr > 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr!r} must be > 0")
+    if not 0 <= cfg.data.val_percent < 100:
+        raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
+    if cfg.data.max_docs is not None and cfg.data.max_docs < 2:
+        raise ConfigError(f"data.max_docs={cfg.data.max_docs!r} must be >= 2 (or null for all documents)")
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise ConfigError(f"model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}")
+    if not 0 <= cfg.model.dropout < 1:
+        raise ConfigError(f"model.dropout={cfg.model.dropout!r} must be in [0, 1)")
+    return grad_accum_steps(cfg.batch.global_size, cfg.batch.micro_size, world_size)
+
+
+def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """global / (micro x world), or a ConfigError naming the three numbers."""
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"batch.global_size={global_batch_size} must be divisible by batch.micro_size={micro_batch_size} "
+            f"x world size {world_size} = {per_step}"
+        )
+    return global_batch_size // per_step
+
+
+__all__ = ["TrainConfig", "ConfigError", "validate", "grad_accum_steps", "register_configs", "MISSING"]

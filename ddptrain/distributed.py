@@ -1,0 +1,140 @@
+"""Process group, device and rank helpers that also work in a world of one.
+
+Every helper here is safe to call without torchrun: `get_rank()` is 0, `barrier()` does nothing
+(the OLMo-core pattern), so the same code runs on a laptop, in tests and on a cluster.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands: rank, world, local rank, device and backend."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def env_world_size() -> int:
+    """World size promised by the launcher (torchrun's WORLD_SIZE), before any group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_rank_zero() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """CUDA device of this LOCAL_RANK when there is a GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    # The backend follows the device (torchtitan does the same through this map): nccl for CUDA,
+    # gloo for CPU. Nothing here hard-codes nccl, which is what makes the CPU tests real.
+    return dist.Backend.default_device_backend_map[device.type]
+
+
+def init_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group that torchrun (or Slurm via torchrun) describes, or a world of one.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the environment. Calling
+    it again returns the existing group's description.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend_for(device)
+    wants_group = env_world_size() > 1 or "MASTER_ADDR" in os.environ
+    if wants_group and not is_distributed():
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
+
+
+def destroy_distributed() -> None:
+    if is_distributed():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` in place over ranks (a no-op in a world of one) and return it."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on every rank (one tiny MIN all-reduce)."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+class Rank0Filter(logging.Filter):
+    """Lets every record through on rank 0, and only warnings and errors on the other ranks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return is_rank_zero() or record.levelno >= logging.WARNING
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Console logging for the ddptrain logger tree, filtered to rank 0 in this one place."""
+    root = logging.getLogger("ddptrain")
+    if any(getattr(h, "_ddptrain", False) for h in root.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler._ddptrain = True  # type: ignore[attr-defined]
+    handler.addFilter(Rank0Filter())
+    handler.setFormatter(_RankFormatter())
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+
+
+class _RankFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = self.formatTime(record, "%H:%M:%S")
+        return f"[{stamp} rank{get_rank()} {record.levelname.lower()}] {record.getMessage()}"

@@ -1,0 +1,198 @@
+"""Engine: one exact accumulated optimizer step, independent of the strategy.
+
+The step minimises the GLOBAL mean loss over valid target tokens of all microbatches of all ranks:
+
+    count tokens -> all-reduce N_t (async) -> forward/backward each microbatch with
+    sum_token_loss / N_t (non-final ones under no_sync) -> clip by the global norm -> step
+
+Gradients are sums of pieces of the one objective, and the strategy sums them over ranks, so the
+update equals, up to float rounding, that of one process that saw the whole global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddptrain.distributed import get_world_size, init_distributed, is_distributed
+from ddptrain.objective import IGNORE_INDEX, token_loss_sum
+from ddptrain.strategies import Strategy, build_strategy
+
+log = logging.getLogger(__name__)
+
+Microbatch = tuple[torch.Tensor, torch.Tensor]
+
+PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did, the same numbers on every rank."""
+
+    loss: float
+    """Global mean loss over valid target tokens (NaN when the step had none)."""
+    tokens: int
+    """Global number of valid target tokens N_t."""
+    grad_norm: float
+    """Global gradient norm before clipping (NaN when the step was skipped before backward)."""
+    skipped: bool = False
+    """True when no update was applied (no valid tokens, or a non-finite gradient norm)."""
+    reason: str = ""
+    """Why the step was skipped: 'no_valid_tokens' or 'nonfinite'."""
+
+
+class Engine:
+    """Runs exact accumulated steps for `model` with `optimizer` under a strategy.
+
+    Args:
+        model: an nn.Module mapping inputs to logits aligned with targets, (B, T) -> (B, T, V).
+        optimizer: a torch optimizer over `model`'s parameters (None if the strategy builds one).
+        strategy: "ddp" | "zero1" | "zero2" | "zero3", or a Strategy instance.
+        grad_clip: clip the global gradient norm to this value after normalisation (None: no clip).
+        lr_scheduler: stepped once after every applied optimizer step.
+        precision: "fp32" | "fp64" (the model is cast) | "bf16" (autocast).
+        nonfinite: "skip" (no update, counted) or "stop" (raise) when the gradient norm is not finite.
+        device: where microbatches go; defaults to the device of init_distributed().
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        strategy: str | Strategy = "ddp",
+        *,
+        grad_clip: float | None = None,
+        lr_scheduler=None,
+        precision: str = "fp32",
+        nonfinite: str = "skip",
+        device: torch.device | None = None,
+        strategy_options: dict | None = None,
+    ):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+        if nonfinite not in ("skip", "stop"):
+            raise ValueError(f"nonfinite policy {nonfinite!r} must be 'skip' or 'stop'")
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"grad_clip {grad_clip!r} must be > 0 (or None for no clipping)")
+        self.device = device if device is not None else init_distributed().device
+        self.precision = precision
+        self.grad_clip = grad_clip
+        self.nonfinite = nonfinite
+        self.lr_scheduler = lr_scheduler
+        if precision == "fp64":
+            model = model.to(dtype=torch.float64)
+        model = model.to(self.device)
+        if isinstance(strategy, str):
+            strategy = build_strategy(strategy, **(strategy_options or {}))
+        self.strategy = strategy
+        self.strategy.setup(model, optimizer, self.device)
+        self.skipped_steps = 0
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped module to call for forward passes."""
+        return self.strategy.model
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, microbatches: Sequence[Microbatch]) -> StepStats:
+        """One optimizer step over this rank's microbatches of the global batch.
+
+        Every rank must call it once per step; ranks may hold different numbers of microbatches.
+        """
+        if len(microbatches) == 0:
+            raise ValueError("Engine.step needs at least one microbatch on every rank; got none")
+        microbatches = [self._to_device(inputs, targets) for inputs, targets in microbatches]
+        global_tokens, count_done = self._count_tokens(microbatches)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for index, (inputs, targets) in enumerate(microbatches):
+            is_last = index == len(microbatches) - 1
+            with self.strategy.microbatch_context(is_last):
+                piece = self._forward(inputs, targets)
+                if index == 0:
+                    count_done()
+                    if global_tokens.item() == 0:
+                        return self._skip_empty_step()
+                loss_sum += piece.detach().double()
+                self.strategy.backward(piece / global_tokens.to(piece.dtype))
+        grad_norm = self.strategy.clip_grad_norm(self.grad_clip)
+        tokens = int(global_tokens.item())
+        loss = self._global_loss(loss_sum) / tokens
+        if not math.isfinite(float(grad_norm)):
+            return self._skip_nonfinite(loss, tokens, float(grad_norm))
+        self.strategy.optimizer_step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.strategy.zero_grad()
+        return StepStats(loss=loss, tokens=tokens, grad_norm=float(grad_norm))
+
+    def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> Microbatch:
+        non_blocking = self.device.type == "cuda"
+        return inputs.to(self.device, non_blocking=non_blocking), targets.to(self.device, non_blocking=non_blocking)
+
+    def _count_tokens(self, microbatches: list[Microbatch]):
+        """Start the all-reduce of this rank's valid-token count; return (tensor, wait)."""
+        local = torch.stack([(targets != IGNORE_INDEX).sum() for _, targets in microbatches]).sum()
+        if not is_distributed():
+            return local, lambda: None
+        work = dist.all_reduce(local, op=dist.ReduceOp.SUM, async_op=True)
+        return local, work.wait
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits of the wrapped model under this engine's precision, (B, T) -> (B, T, V)."""
+        if self.precision != "bf16":
+            return self.model(inputs)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            return self.model(inputs)
+
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(self.forward(inputs), targets)
+
+    def _global_loss(self, loss_sum: torch.Tensor) -> float:
+        if is_distributed():
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        return float(loss_sum.item())
+
+    def _skip_empty_step(self) -> StepStats:
+        # N_t is global, so every rank takes this branch at the same step; no backward has run.
+        self.strategy.zero_grad()
+        self.skipped_steps += 1
+        log.warning("step skipped: the global batch holds no valid target token (N_t = 0)")
+        return StepStats(loss=float("nan"), tokens=0, grad_norm=float("nan"), skipped=True, reason="no_valid_tokens")
+
+    def _skip_nonfinite(self, loss: float, tokens: int, grad_norm: float) -> StepStats:
+        # The norm is of the synchronised gradients, so every rank sees the same non-finite value.
+        self.strategy.zero_grad()
+        if self.nonfinite == "stop":
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm} (loss {loss}); nonfinite='stop'")
+        self.skipped_steps += 1
+        log.warning("step skipped: non-finite gradient norm %s (loss %s)", grad_norm, loss)
+        return StepStats(loss=loss, tokens=tokens, grad_norm=grad_norm, skipped=True, reason="nonfinite")
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights as CPU tensors."""
+        return self.strategy.model_state_dict()
+
+    def state_dict(self) -> dict:
+        state = {"strategy": self.strategy.state_dict(), "skipped_steps": self.skipped_steps}
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.strategy.load_state_dict(state["strategy"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    @property
+    def world_size(self) -> int:
+        return get_world_size()

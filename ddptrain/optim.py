@@ -1,0 +1,39 @@
+"""Optimizer and learning-rate schedule from config."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
+                    betas: tuple[float, float]) -> torch.optim.Optimizer:
+    """AdamW (decay on matrices only, as nanoGPT) or plain SGD."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    raise ValueError(f"optim.name {name!r} is not one of adamw, sgd")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, max_steps: int,
+                    min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then cosine decay to min_lr_ratio x lr (or constant)."""
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"optim.schedule {schedule!r} is not one of cosine, constant")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

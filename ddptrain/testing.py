@@ -1,0 +1,90 @@
+"""run_distributed: run a function on N real gloo ranks (spawned processes) and collect results.
+
+The OLMo-core pattern (`run_distributed_test`): one helper picks a free port, spawns the ranks,
+sets the torchrun environment, initialises the group through ddptrain.init_distributed and
+destroys it in `finally`. No private torch.testing._internal APIs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
+    from ddptrain.distributed import destroy_distributed, init_distributed
+
+    try:
+        init_distributed(timeout_s=120)
+        results.put((rank, "ok", _to_bytes(fn(*args))))
+    except BaseException:  # report every failure to the parent, which raises it
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        destroy_distributed()
+
+
+def run_distributed(fn: Callable, world_size: int = 2, *args: Any, env: dict | None = None,
+                    timeout_s: float = 300) -> list[Any]:
+    """Run `fn(*args)` on `world_size` gloo ranks; return the results ordered by rank.
+
+    `fn` must be importable by name (a module-level function). A rank that raises makes this
+    raise with that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results, env))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    # Read results before joining: a large result blocks its sender until someone reads the pipe.
+    outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outcome) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, value = results.get(timeout=1.0)
+            outcome[rank] = (status, value)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    for proc in procs:
+        proc.join(max(1.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcome.items()) if s == "error"]
+    missing = [r for r in range(world_size) if r not in outcome]
+    if errors or missing:
+        codes = {r: procs[r].exitcode for r in range(world_size)}
+        raise RuntimeError("\n".join(errors) + (f"\nranks without a result: {missing}, exit codes {codes}" if missing else ""))
+    return [_from_bytes(outcome[r][1]) for r in range(world_size)]
+
+
+def _to_bytes(value: Any) -> bytes:
+    # Plain bytes, not tensors: torch.multiprocessing would pass tensors through shared memory
+    # that vanishes when the rank exits before the parent reads it.
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
