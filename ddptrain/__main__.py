@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from ddptrain.config import register_configs, validate
+from ddptrain.config import ConfigError, register_configs, validate
 from ddptrain.distributed import destroy_distributed, env_world_size, init_distributed, setup_logging
 from ddptrain.trainer import Trainer
 
@@ -18,7 +20,11 @@ CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else
 
 def train(cfg: DictConfig) -> None:
     setup_logging()
-    validate(cfg, env_world_size())  # before the process group: fails fast on every rank
+    try:
+        validate(cfg, env_world_size())  # before the process group: fails fast on every rank
+    except ConfigError as error:
+        logging.getLogger("ddptrain").error("config error: %s", error)
+        sys.exit(2)
     dist_info = init_distributed(cfg.dist.timeout_s)
     trainer = Trainer(cfg, dist_info)
     try:

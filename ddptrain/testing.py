@@ -27,6 +27,7 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, env: dict) -> None:
     os.environ.update(env)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # torch was imported before env
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
     from ddptrain.distributed import destroy_distributed, init_distributed

@@ -1,0 +1,56 @@
+"""The trainer's policies, in one process: empty global batches are skipped and counted, or stop."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from ddptrain.__main__ import CONFIG_PATH
+from ddptrain.config import register_configs, validate
+from ddptrain.distributed import init_distributed
+from ddptrain.objective import IGNORE_INDEX
+from ddptrain.trainer import EmptyStepError, Trainer
+from tests.helpers import TINY_RUN, read_metrics
+
+
+def _trainer(run_dir, *overrides) -> Trainer:
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY_RUN, "batch.seq_len=32", "batch.global_size=4",
+                                           "batch.micro_size=2", f"run.dir={run_dir}", *overrides])
+    validate(cfg, 1)
+    trainer = Trainer(cfg, init_distributed()).build()
+    real = trainer.train_batches.microbatches
+
+    def without_targets_at_step_two(step):
+        microbatches = real(step)
+        if step == 1:  # the second optimizer step
+            return [(inputs, targets.fill_(IGNORE_INDEX)) for inputs, targets in microbatches]
+        return microbatches
+
+    trainer.train_batches.microbatches = without_targets_at_step_two
+    return trainer
+
+
+def test_empty_global_batch_is_skipped_counted_and_warned(tmp_path, caplog):
+    trainer = _trainer(tmp_path, "trainer.max_steps=4")
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[1]["tokens"] == 0 and metrics[1]["loss"] is None
+    assert [m["skipped_steps"] for m in metrics] == [0, 1, 1, 1]
+    assert all(m["loss"] is not None for m in metrics[2:]), "training goes on after the skipped step"
+    assert "no valid target token" in (tmp_path / "train.log").read_text()
+
+
+def test_empty_global_batch_stops_when_configured(tmp_path):
+    trainer = _trainer(tmp_path, "trainer.max_steps=4", "trainer.empty_step=stop")
+    try:
+        with pytest.raises(EmptyStepError, match="step 2: the global batch has no valid target token"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1]
