@@ -6,6 +6,7 @@ group starts, on every rank, so a bad value fails fast everywhere with the same 
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -127,6 +128,20 @@ class LoggerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0: only on preemption)."""
+    keep: int = 2
+    """Keep the newest K complete checkpoints (the only complete one is never deleted)."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint in run.dir, else fresh) | none | a checkpoint path."""
+    preempt_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that make every rank checkpoint at the next step boundary and exit."""
+    preempt_exit_code: int = 75
+    """Exit code after a preemption checkpoint (EX_TEMPFAIL): the job should be restarted."""
+
+
+@dataclass
 class DistConfig:
     timeout_s: float = 600.0
     """Process-group timeout: a dead or stuck peer fails the run after this many seconds."""
@@ -142,6 +157,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
 
@@ -185,7 +201,7 @@ def validate(cfg: Any, world_size: int) -> int:
         value = _get(cfg, key)
         if not value > 0:
             raise ConfigError(f"{key}={value!r} must be > 0")
-    for key in ("trainer.eval_every", "optim.warmup_steps"):
+    for key in ("trainer.eval_every", "optim.warmup_steps", "checkpoint.every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
     if cfg.trainer.grad_clip is not None and not cfg.trainer.grad_clip > 0:
@@ -196,6 +212,13 @@ def validate(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
     if cfg.data.max_docs is not None and cfg.data.max_docs < 2:
         raise ConfigError(f"data.max_docs={cfg.data.max_docs!r} must be >= 2 (or null for all documents)")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep!r} must be >= 1")
+    for name in cfg.checkpoint.preempt_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals):
+            raise ConfigError(f"checkpoint.preempt_signals has {name!r}, which is not a signal name like SIGUSR1")
+    if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
+        raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
     if cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}")
     if not 0 <= cfg.model.dropout < 1:

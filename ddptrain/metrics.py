@@ -24,24 +24,49 @@ class MetricsLogger:
     """Appends to `<run_dir>/metrics.jsonl` on rank 0; optional wandb; silent on other ranks."""
 
     def __init__(self, run_dir: str | Path, wandb_mode: str = "disabled", wandb_project: str = "ddptrain",
-                 wandb_name: str | None = None, config: dict | None = None):
+                 wandb_name: str | None = None, config: dict | None = None, run_id: str | None = None,
+                 resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = is_rank_zero()
+        self.run_id = run_id
         self._file = None
         self._wandb_run = None
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if wandb_mode != "disabled":
-            self._wandb_run = self._start_wandb(wandb_mode, wandb_project, wandb_name or Path(run_dir).name, config, run_dir)
+            self._wandb_run = self._start_wandb(wandb_mode, wandb_project, wandb_name or Path(run_dir).name, config,
+                                                run_dir, run_id)
+            self.run_id = self._wandb_run.id
+
+    def _truncate_after(self, resume_step: int | None) -> None:
+        """On resume, drop lines of steps after the checkpoint: they will be logged again.
+
+        A fresh run (no checkpoint) in a run dir with an old metrics.jsonl starts the file anew.
+        """
+        if not self.path.exists():
+            return
+        keep = []
+        if resume_step is not None:
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        keep.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a crash
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     @staticmethod
-    def _start_wandb(mode: str, project: str, name: str, config: dict | None, run_dir):
+    def _start_wandb(mode: str, project: str, name: str, config: dict | None, run_dir, run_id: str | None):
         import wandb  # lazy: wandb is heavy and optional at run time
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        return wandb.init(mode=mode, project=project, name=name, config=config, dir=str(run_dir))
+        return wandb.init(mode=mode, project=project, name=name, config=config, dir=str(run_dir), id=run_id,
+                          resume="allow" if run_id else None)
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from ddptrain import checkpoint as ckpt
+from ddptrain import faults
 from ddptrain.config import TrainConfig
 from ddptrain.data import DataSplits, TrainBatches, load_stdlib
 from ddptrain.data.dataset import TokenExamples
@@ -20,6 +23,7 @@ from ddptrain.metrics import MetricsLogger, format_line
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.objective import IGNORE_INDEX, token_loss_sum
 from ddptrain.optim import build_optimizer, build_scheduler
+from ddptrain.preemption import Preempted, PreemptionWatcher
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,9 @@ class Trainer:
         self.dist = dist_info
         self.run_dir = Path(cfg.run.dir)
         self.step = 0
+        self.tokens_seen = 0
         self._file_log: logging.Handler | None = None
+        self._watcher: PreemptionWatcher | None = None
 
     # -- build ---------------------------------------------------------------------------------
 
@@ -62,8 +68,11 @@ class Trainer:
                              lr_scheduler=scheduler, precision=cfg.trainer.precision, nonfinite=cfg.trainer.nonfinite,
                              device=self.dist.device, strategy_options=strategy_options)
         self.optimizer = optimizer
+        resumed = self._resume()
         self.metrics = MetricsLogger(self.run_dir, cfg.logger.wandb.mode, cfg.logger.wandb.project,
-                                     cfg.logger.wandb.name, OmegaConf.to_container(cfg, resolve=True))
+                                     cfg.logger.wandb.name, OmegaConf.to_container(cfg, resolve=True),
+                                     run_id=resumed.get("wandb_run_id"), resume_step=self.step if resumed else None)
+        self._watcher = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device)
         self._log_summary()
         return self
 
@@ -102,11 +111,12 @@ class Trainer:
         window_tokens, window_start = 0, time.perf_counter()
         while self.step < cfg.max_steps:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
-            stats = self.engine.step(self.train_batches.microbatches(self.step))
+            stats = self._train_step(self.train_batches.microbatches(self.step))
             if stats.skipped and stats.reason == "no_valid_tokens" and cfg.empty_step == "stop":
                 raise EmptyStepError(f"step {self.step + 1}: the global batch has no valid target token "
                                      "(trainer.empty_step=stop)")
             self.step += 1
+            self.tokens_seen += stats.tokens
             window_tokens += stats.tokens
             is_last = self.step == cfg.max_steps
             val_loss = None
@@ -116,6 +126,41 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 self._log_step(stats, lr, val_loss, window_tokens / max(elapsed, 1e-9))
                 window_tokens, window_start = 0, time.perf_counter()
+            every = self.cfg.checkpoint.every
+            if every and (self.step % every == 0 or is_last):
+                self.save_checkpoint()
+            if not is_last and self._watcher.should_stop():
+                self._preempt()
+
+    def _train_step(self, microbatches) -> StepStats:
+        """Engine.step, with the step named in any collective failure (a dead or stuck peer)."""
+        step = self.step + 1
+        rank = self.dist.rank
+        if faults.armed("hang", step, rank):
+            faults.hang()
+        if faults.armed("kill", step, rank):
+            faults.kill_self()
+        hook = None
+        if faults.armed("nan", step, rank):
+            hook = self.engine.model.register_forward_hook(lambda module, args, out: out * float("nan"))
+        try:
+            return self.engine.step(microbatches)
+        except RuntimeError as error:  # gloo reports timeouts and lost peers as RuntimeError
+            hint = ""
+            if isinstance(error, dist.DistError) or any(w in str(error) for w in ("gloo", "NCCL", "Timed out", "Connection")):
+                hint = f" (a dead or stuck peer fails the run after dist.timeout_s={self.cfg.dist.timeout_s}s)"
+            raise RuntimeError(f"step {step} failed on rank {rank}: {error}{hint}") from error
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    def _preempt(self) -> None:
+        name = self._watcher.signal_name()
+        path = self.save_checkpoint()
+        code = self.cfg.checkpoint.preempt_exit_code
+        log.warning("preempted by %s: checkpoint of step %d saved in %s; exiting with code %d",
+                    name, self.step, path, code)
+        raise Preempted(code)
 
     def _log_step(self, stats: StepStats, lr: float, val_loss: float | None, tokens_per_second: float) -> None:
         record = {
@@ -160,9 +205,77 @@ class Trainer:
         all_reduce_sum(sums)
         return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
 
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "model": self.engine.model_state_dict(),
+            "engine": self.engine.state_dict(),
+            "data": self.train_batches.state_dict(self.step),
+            "wandb_run_id": self.metrics.run_id,
+            "world_size": self.dist.world_size,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
+
+    def save_checkpoint(self) -> Path:
+        """Collective. Refuses to write non-finite weights (the last good checkpoint stays)."""
+        state = self.trainer_state()  # on every rank: a sharded strategy gathers collectively
+        if not is_rank_zero():
+            state = None
+        else:
+            bad = [name for name, value in state["model"].items() if value.is_floating_point()
+                   and not torch.isfinite(value).all()]
+            if bad:
+                raise FloatingPointError(f"step {self.step}: weights {bad[:3]} are not finite; "
+                                         "no checkpoint is written and the previous one is kept")
+        step, rank = self.step, self.dist.rank
+        failpoint = faults.kill_self if faults.armed("kill_in_checkpoint", step, rank) else None
+        path = ckpt.write_checkpoint(self.run_dir, step, state, failpoint=failpoint)
+        ckpt.purge(self.run_dir, self.cfg.checkpoint.keep)
+        log.info("checkpoint of step %d saved in %s", step, path)
+        return path
+
+    def _resume(self) -> dict:
+        """Load the checkpoint that checkpoint.resume names; {} when starting fresh."""
+        path = self._agree_on_checkpoint()
+        if path is None:
+            return {}
+        state = ckpt.load_trainer_state(path)
+        self.engine.strategy.load_model_state_dict(state["model"])
+        self.engine.load_state_dict(state["engine"])
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        cursor = state["data"]
+        if cursor["samples_seen"] != self.train_batches.plan.samples_seen(self.step):
+            raise ckpt.CheckpointError(f"{path}: data cursor {cursor['samples_seen']} does not match step {self.step} "
+                                       f"x batch.global_size {self.cfg.batch.global_size}; the global batch size "
+                                       "must not change on resume")
+        ckpt.load_rng_for_rank(path, self.dist.rank, self.dist.world_size, state["world_size"])
+        log.info("resumed from %s at step %d (%d samples seen)", path, self.step, cursor["samples_seen"])
+        return state
+
+    def _agree_on_checkpoint(self) -> Path | None:
+        """Rank 0 finds and verifies the checkpoint; every rank uses the same one."""
+        choice: list = [None, None]  # (path, error)
+        if is_rank_zero():
+            try:
+                found = ckpt.resolve_resume(self.run_dir, self.cfg.checkpoint.resume)
+                choice[0] = str(found) if found is not None else None
+            except ckpt.CheckpointError as error:  # every rank must hear of it, not wait
+                choice[1] = str(error)
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise ckpt.CheckpointError(f"checkpoint.resume={self.cfg.checkpoint.resume}: {choice[1]}")
+        return Path(choice[0]) if choice[0] is not None else None
+
     # -- close ---------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.restore()
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
             metrics.close()

@@ -22,9 +22,16 @@ class Strategy(abc.ABC):
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
 
+    def configure(self, *, grad_clip: float | None, precision: str) -> None:
+        """The Engine's step settings, given before `setup`. A library that clips inside its own
+        optimizer step (DeepSpeed) needs them in its config; the default needs nothing."""
+
     @abc.abstractmethod
     def setup(self, model: nn.Module, optimizer, device: torch.device) -> None:
         """Wrap `model` (already on `device`) and take charge of `optimizer`."""
+
+    def start_step(self, num_microbatches: int) -> None:
+        """Called once per step, before the first forward, with this rank's microbatch count."""
 
     def microbatch_context(self, is_last: bool) -> ContextManager:
         """Context for one microbatch's forward and backward; non-final ones skip gradient sync."""
@@ -36,7 +43,11 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Global norm of the synchronised gradients before clipping; clips when max_norm is set."""
+        """Global norm of the synchronised gradients before clipping; clips when max_norm is set.
+
+        A library that fuses clipping into its update (DeepSpeed) may apply the update here,
+        provided it applies none when the norm is not finite; `optimizer_step` is then a no-op.
+        """
 
     @abc.abstractmethod
     def optimizer_step(self) -> None:
@@ -49,6 +60,10 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights as CPU tensors, on every rank."""
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full weights (as returned by model_state_dict) on every rank."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load a full model state dict")
 
     def state_dict(self) -> dict:
         """Optimizer (and strategy) state for checkpoints."""

@@ -79,3 +79,6 @@ class DDPStrategy(Strategy):
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._module.state_dict().items()}
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._module.load_state_dict(state)

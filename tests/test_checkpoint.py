@@ -1,0 +1,189 @@
+"""Checkpoints that survive crashes and preemption: real runs, real kills, real signals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ddptrain import checkpoint as ckpt
+from ddptrain.testing import free_port
+from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+# Constant LR so that a run of N steps and the first N steps of a longer run are the same run.
+RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2", "optim.schedule=constant",
+       "trainer.eval_examples=4"]
+
+
+def final_weights(run_dir, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / ckpt.step_name(step) / "trainer.pt", weights_only=False)["model"]
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def losses(run_dir) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir)]
+
+
+def train(run_dir, *overrides, nproc=2, env=None, torchrun_args=(), check=True):
+    args = [*RUN, f"run.dir={run_dir}", *overrides]
+    if torchrun_args:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *torchrun_args, "-m", "ddptrain", *args]
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    else:
+        result = run_cli(args, nproc=nproc, env=env)
+    if check:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted reference: 2 ranks, 12 steps, checkpoints every 3."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    train(run_dir, "trainer.max_steps=12", "checkpoint.every=3", "checkpoint.keep=5")
+    return run_dir
+
+
+def test_resume_is_bitwise_exact(straight, tmp_path):
+    train(tmp_path, "trainer.max_steps=6", "checkpoint.every=3")
+    train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3")
+    assert "resumed from" in (tmp_path / "train.log").read_text()
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 13))
+    assert losses(tmp_path) == losses(straight)
+    assert_bitwise_equal(final_weights(tmp_path, 12), final_weights(straight, 12))
+    assert len(ckpt.list_checkpoints(tmp_path)) == 2, "checkpoint.keep=2 keeps the newest two"
+
+
+def test_sigkilled_worker_restarts_and_matches(straight, tmp_path):
+    result = train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3", env={"DDPTRAIN_FAILPOINT": "kill@8:1"},
+                   torchrun_args=["--max-restarts=1"])
+    assert "Signals.SIGKILL" in result.stderr or "exitcode  : -9" in result.stderr or "restart" in result.stderr.lower()
+    log = (tmp_path / "train.log").read_text()
+    assert "resumed from" in log and "step_00000006" in log
+    assert_bitwise_equal(final_weights(tmp_path, 12), final_weights(straight, 12))
+    assert losses(tmp_path) == losses(straight)
+
+
+def test_kill_while_writing_a_checkpoint_falls_back_to_the_previous(straight, tmp_path):
+    train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3",
+          env={"DDPTRAIN_FAILPOINT": "kill_in_checkpoint@6:0"}, torchrun_args=["--max-restarts=1"])
+    log = (tmp_path / "train.log").read_text()
+    assert "step_00000003" in log.split("resumed from", 1)[1].splitlines()[0], "must resume from step 3"
+    assert_bitwise_equal(final_weights(tmp_path, 12), final_weights(straight, 12))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupted_newest_checkpoint_is_named_and_skipped(straight, tmp_path, damage):
+    train(tmp_path, "trainer.max_steps=9", "checkpoint.every=3", "checkpoint.keep=5", nproc=1)
+    bad = tmp_path / "checkpoints" / ckpt.step_name(9) / "trainer.pt"
+    data = bytearray(bad.read_bytes())
+    bad.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:100] + bytes(b ^ 0xFF for b in data[100:140]) + data[140:])
+    result = train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3", "checkpoint.keep=5", nproc=1)
+    output = result.stdout + result.stderr
+    assert str(bad) in output and "corrupted" in output, output[-3000:]
+    assert "step_00000006" in (tmp_path / "train.log").read_text().split("resumed from", 1)[1].splitlines()[0]
+
+
+def _start_ranks(run_dir, overrides, world_size=2):
+    """Two plain `python -m ddptrain` processes forming one group, so each exit code is visible."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "ddptrain", *RUN, f"run.dir={run_dir}", *overrides],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _wait_for_step(run_dir, step: int, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            if lines and json.loads(lines[-1])["step"] >= step:
+                return json.loads(lines[-1])["step"]
+        time.sleep(0.01)
+    raise TimeoutError(f"step {step} never logged")
+
+
+def test_sigterm_to_one_rank_checkpoints_and_exits_with_the_documented_code(tmp_path):
+    steps = ["trainer.max_steps=60"]
+    reference = tmp_path / "reference"
+    train(reference, *steps, "checkpoint.every=60")
+    run_dir = tmp_path / "run"
+    procs = _start_ranks(run_dir, steps)
+    seen = _wait_for_step(run_dir, 3)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [75, 75], outputs
+    saved = [step for step, _ in ckpt.list_checkpoints(run_dir)]
+    assert len(saved) == 1 and seen <= saved[0] <= seen + 2, (seen, saved)
+    assert "preempted by SIGTERM" in outputs[1] or "preempted by" in outputs[0]
+    train(run_dir, *steps, "checkpoint.every=60")
+    assert_bitwise_equal(final_weights(run_dir, 60), final_weights(reference, 60))
+
+
+def test_resume_on_fewer_ranks_continues_the_same_samples(straight, tmp_path):
+    train(tmp_path, "trainer.max_steps=6", "checkpoint.every=3")
+    train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3", nproc=1)
+    mine, reference = read_metrics(tmp_path), read_metrics(straight)
+    assert [m["samples_seen"] for m in mine] == [m["samples_seen"] for m in reference]
+    assert [m["tokens"] for m in mine] == [m["tokens"] for m in reference]
+    for a, b in zip(mine, reference):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4), (a["step"], a["loss"], b["loss"])
+
+
+def test_nan_on_one_rank_is_skipped_by_all_ranks(tmp_path):
+    train(tmp_path, "trainer.max_steps=6", "checkpoint.every=2", env={"DDPTRAIN_FAILPOINT": "nan@3:1"})
+    metrics = read_metrics(tmp_path)
+    assert metrics[2]["loss"] is None and [m["skipped_steps"] for m in metrics] == [0, 0, 1, 1, 1, 1]
+    assert all(m["loss"] is not None and math.isfinite(m["loss"]) for m in metrics[3:])
+    for value in final_weights(tmp_path, 6).values():
+        assert torch.isfinite(value).all()
+
+
+def test_nan_with_stop_policy_exits_on_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    result = train(tmp_path, "trainer.max_steps=6", "checkpoint.every=2", "trainer.nonfinite=stop",
+                   env={"DDPTRAIN_FAILPOINT": "nan@3:1"}, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("non-finite gradient norm") >= 2, output[-3000:]
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2]
+    ckpt.verify(tmp_path / "checkpoints" / ckpt.step_name(2))
+
+
+def test_stuck_peer_fails_within_the_timeout_naming_the_step(tmp_path):
+    started = time.monotonic()
+    result = train(tmp_path, "trainer.max_steps=6", "dist.timeout_s=5", env={"DDPTRAIN_FAILPOINT": "hang@3:1"},
+                   check=False)
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "step 3 failed on rank 0" in output, output[-4000:]
+    assert elapsed < 120, elapsed
+
+
+def test_explicit_resume_path_that_is_incomplete_is_a_clear_error(tmp_path):
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    result = train(tmp_path, "trainer.max_steps=6", f"checkpoint.resume={tmp_path}/checkpoints/step_00000004",
+                   nproc=1, check=False)
+    assert result.returncode != 0
+    assert "has no COMPLETE.json" in result.stdout + result.stderr
