@@ -1,0 +1,1 @@
+"""Hydra configs, shipped in the wheel as the package ddptrain.conf."""
