@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from ddptrain.data import DataSplits, TrainBatches, load_stdlib
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.distributed import DistInfo, all_reduce_sum, is_rank_zero, Rank0Filter, barrier
 from ddptrain.engine import Engine, StepStats
-from ddptrain.metrics import MetricsLogger, format_line
+from ddptrain.flops import ModelFlops, device_peak_flops
+from ddptrain.metrics import MetricsLogger, ThroughputWindow, global_microbatch_shapes, peak_memory_bytes
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.objective import IGNORE_INDEX, token_loss_sum
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -62,8 +64,13 @@ class Trainer:
         optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas))
         scheduler = build_scheduler(optimizer, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.trainer.max_steps,
                                     cfg.optim.min_lr_ratio)
-        strategy_options = {"bucket_cap_mb": cfg.strategy.bucket_cap_mb,
-                            "find_unused_parameters": cfg.strategy.find_unused_parameters}
+        if cfg.strategy.name == "ddp":
+            strategy_options = {"bucket_cap_mb": cfg.strategy.bucket_cap_mb,
+                                "find_unused_parameters": cfg.strategy.find_unused_parameters}
+        else:  # zero1 | zero2 | zero3: DeepSpeed's config is derived from ours, so they cannot disagree
+            strategy_options = {"micro_batch_size": cfg.batch.micro_size,
+                                "grad_accum_steps": cfg.batch.global_size // (cfg.batch.micro_size * self.dist.world_size),
+                                "deepspeed": OmegaConf.to_container(cfg.strategy.deepspeed, resolve=True)}
         self.engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip,
                              lr_scheduler=scheduler, precision=cfg.trainer.precision, nonfinite=cfg.trainer.nonfinite,
                              device=self.dist.device, strategy_options=strategy_options)
@@ -71,7 +78,11 @@ class Trainer:
         resumed = self._resume()
         self.metrics = MetricsLogger(self.run_dir, cfg.logger.wandb.mode, cfg.logger.wandb.project,
                                      cfg.logger.wandb.name, OmegaConf.to_container(cfg, resolve=True),
-                                     run_id=resumed.get("wandb_run_id"), resume_step=self.step if resumed else None)
+                                     run_id=resumed.get("wandb_run_id"), resume_step=self.step if resumed else None,
+                                     progress=cfg.logger.progress, max_steps=cfg.trainer.max_steps,
+                                     window=ThroughputWindow(ModelFlops.of_gpt(model), device_peak_flops(
+                                         self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops),
+                                         self.dist.world_size))
         self._watcher = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device)
         self._log_summary()
         return self
@@ -96,36 +107,56 @@ class Trainer:
         return data
 
     def _log_summary(self) -> None:
-        cfg, d = self.cfg, self.dist
+        """The start-up summary on rank 0 (one line per topic, so Slurm logs stay greppable)."""
+        cfg, d, train = self.cfg, self.dist, self.data.train
         accum = cfg.batch.global_size // (cfg.batch.micro_size * d.world_size)
-        log.info("world %d on %s (%s) | strategy %s | global batch %d = micro %d x accumulation %d x world %d | "
-                 "up to %d tokens/step | model %.2fM parameters | precision %s | run dir %s",
-                 d.world_size, d.device, d.backend, cfg.strategy.name, cfg.batch.global_size, cfg.batch.micro_size,
-                 accum, d.world_size, cfg.batch.global_size * cfg.batch.seq_len, self.num_parameters / 1e6,
-                 cfg.trainer.precision, self.run_dir)
+        nodes = max(d.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)), 1)
+        if d.device.type == "cuda":
+            device = f"{torch.cuda.get_device_name(d.device)} ({d.backend})"
+        else:
+            device = f"cpu, {torch.get_num_threads()} threads per rank ({d.backend})"
+        window = self.metrics.window
+        peak = f"{window.peak_flops:.3g} FLOP/s per device" if window.peak_flops else "unknown (MFU not reported)"
+        mean_targets = train.valid_targets() / len(train)
+        log.info("world: %d rank(s) on %d node(s) | device: %s | peak %s", d.world_size, nodes, device, peak)
+        log.info("strategy: %s | precision %s | global batch %d sequences = micro %d x accumulation %d x world %d",
+                 cfg.strategy.name, cfg.trainer.precision, cfg.batch.global_size, cfg.batch.micro_size, accum,
+                 d.world_size)
+        log.info("tokens per step: up to %d (seq_len %d), about %.0f valid targets on average",
+                 cfg.batch.global_size * cfg.batch.seq_len, cfg.batch.seq_len, cfg.batch.global_size * mean_targets)
+        log.info("model: %s, %d parameters (%.2fM), %d layers x %d wide, %.3g training FLOPs per token at seq_len %d",
+                 cfg.model.name, self.num_parameters, self.num_parameters / 1e6, cfg.model.n_layer, cfg.model.n_embd,
+                 window.model_flops.per_token(cfg.batch.seq_len), cfg.batch.seq_len)
+        log.info("dataset: %s, %d train documents -> %d examples, %d valid targets (%.1f per example, %.3g epochs "
+                 "in %d steps) | validation %d examples", cfg.data.name, train.documents, len(train),
+                 train.valid_targets(), mean_targets, cfg.trainer.max_steps * cfg.batch.global_size / len(train),
+                 cfg.trainer.max_steps, len(self.data.val))
+        log.info("run dir: %s | steps %d..%d | wandb %s%s", self.run_dir.resolve(), self.step, cfg.trainer.max_steps,
+                 cfg.logger.wandb.mode, f" (run id {self.metrics.run_id})" if self.metrics.run_id else "")
 
     # -- fit -----------------------------------------------------------------------------------
 
     def fit(self) -> None:
         cfg = self.cfg.trainer
-        window_tokens, window_start = 0, time.perf_counter()
         while self.step < cfg.max_steps:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
-            stats = self._train_step(self.train_batches.microbatches(self.step))
+            waited = time.perf_counter()
+            microbatches = self.train_batches.microbatches(self.step)
+            data_wait_s = time.perf_counter() - waited
+            stats = self._train_step(microbatches)
             if stats.skipped and stats.reason == "no_valid_tokens" and cfg.empty_step == "stop":
                 raise EmptyStepError(f"step {self.step + 1}: the global batch has no valid target token "
                                      "(trainer.empty_step=stop)")
+            self.metrics.window.add(stats, data_wait_s, global_microbatch_shapes(self.train_batches, self.step))
             self.step += 1
             self.tokens_seen += stats.tokens
-            window_tokens += stats.tokens
+            self.metrics.step_done(self.step, stats.loss)
             is_last = self.step == cfg.max_steps
             val_loss = None
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or is_last:
                 val_loss = self.evaluate()
             if self.step % cfg.log_every == 0 or is_last:
-                elapsed = time.perf_counter() - window_start
-                self._log_step(stats, lr, val_loss, window_tokens / max(elapsed, 1e-9))
-                window_tokens, window_start = 0, time.perf_counter()
+                self._log_step(stats, lr, val_loss)
             every = self.cfg.checkpoint.every
             if every and (self.step % every == 0 or is_last):
                 self.save_checkpoint()
@@ -162,21 +193,23 @@ class Trainer:
                     name, self.step, path, code)
         raise Preempted(code)
 
-    def _log_step(self, stats: StepStats, lr: float, val_loss: float | None, tokens_per_second: float) -> None:
+    def _log_step(self, stats: StepStats, lr: float, val_loss: float | None) -> None:
+        """One metrics line: this step's numbers, and rates and mean times over the steps since the last line."""
         record = {
             "step": self.step,
             "loss": stats.loss,
             "tokens": stats.tokens,
+            "tokens_seen": self.tokens_seen,
             "lr": lr,
             "grad_norm": stats.grad_norm,
-            "tokens_per_second": tokens_per_second,
+            **self.metrics.window.summary(),
+            "peak_memory_bytes": peak_memory_bytes(self.dist.device),
             "skipped_steps": self.engine.skipped_steps,
             "samples_seen": self.train_batches.plan.samples_seen(self.step),
         }
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.log(record)
-        log.info(format_line(record))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -207,11 +240,16 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    @property
+    def _sharded(self) -> bool:
+        """True when the strategy saves its own (sharded) model and optimizer files (ZeRO)."""
+        return hasattr(self.engine.strategy, "save_checkpoint")
+
     def trainer_state(self) -> dict:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "model": self.engine.model_state_dict(),
+            "model": None if self._sharded else self.engine.model_state_dict(),
             "engine": self.engine.state_dict(),
             "data": self.train_batches.state_dict(self.step),
             "wandb_run_id": self.metrics.run_id,
@@ -221,10 +259,8 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Collective. Refuses to write non-finite weights (the last good checkpoint stays)."""
-        state = self.trainer_state()  # on every rank: a sharded strategy gathers collectively
-        if not is_rank_zero():
-            state = None
-        else:
+        state = self.trainer_state() if is_rank_zero() else None
+        if state is not None and state["model"] is not None:  # ZeRO skips non-finite updates itself
             bad = [name for name, value in state["model"].items() if value.is_floating_point()
                    and not torch.isfinite(value).all()]
             if bad:
@@ -232,7 +268,8 @@ class Trainer:
                                          "no checkpoint is written and the previous one is kept")
         step, rank = self.step, self.dist.rank
         failpoint = faults.kill_self if faults.armed("kill_in_checkpoint", step, rank) else None
-        path = ckpt.write_checkpoint(self.run_dir, step, state, failpoint=failpoint)
+        strategy = self.engine.strategy if self._sharded else None
+        path = ckpt.write_checkpoint(self.run_dir, step, state, strategy=strategy, failpoint=failpoint)
         ckpt.purge(self.run_dir, self.cfg.checkpoint.keep)
         log.info("checkpoint of step %d saved in %s", step, path)
         return path
@@ -243,7 +280,10 @@ class Trainer:
         if path is None:
             return {}
         state = ckpt.load_trainer_state(path)
-        self.engine.strategy.load_model_state_dict(state["model"])
+        if self._sharded:
+            self.engine.strategy.load_checkpoint(path / "strategy")
+        else:
+            self.engine.strategy.load_model_state_dict(state["model"])
         self.engine.load_state_dict(state["engine"])
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]

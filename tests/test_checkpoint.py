@@ -187,3 +187,18 @@ def test_explicit_resume_path_that_is_incomplete_is_a_clear_error(tmp_path):
                    nproc=1, check=False)
     assert result.returncode != 0
     assert "has no COMPLETE.json" in result.stdout + result.stderr
+
+
+def test_zero2_resume_is_bitwise_exact(tmp_path):
+    pytest.importorskip("deepspeed")
+    zero = ["strategy=zero2", "checkpoint.every=3"]
+    train(tmp_path / "straight", "trainer.max_steps=6", *zero)
+    train(tmp_path / "resumed", "trainer.max_steps=3", *zero)
+    train(tmp_path / "resumed", "trainer.max_steps=6", *zero)
+    assert "resumed from" in (tmp_path / "resumed" / "train.log").read_text()
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    weights = [get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / run / "checkpoints" / ckpt.step_name(6) / "strategy"),
+                                                        tag="zero") for run in ("straight", "resumed")]
+    assert_bitwise_equal(*weights)

@@ -1,0 +1,343 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 with the Engine's exact objective (DeepSpeed imported lazily).
+
+DeepSpeed does not minimise the global mean-token loss by itself. By default `engine.backward`
+divides the loss by gradient_accumulation_steps, and ZeRO AVERAGES gradients over the
+data-parallel ranks (stage 1/2 `average_tensor` / `gradient_reduction_w_predivide`, stage 3
+`__avg_scatter_*`: net division by the world size whatever gradient_predivide_factor and
+prescale_gradients say). The Engine already hands `backward` the pieces `sum_token_loss / N_t`,
+so this strategy undoes both (tests/test_zero.py measures it):
+
+- `engine.backward(loss, scale_wrt_gas=False)`: no 1/GAS. engine.backward also marks the loss's
+  graph, so the output hooks that scale direct `loss.backward()` calls by 1/GAS stay out.
+- the loss is multiplied by the data-parallel world size W before backward; ZeRO's mean over W
+  ranks then leaves the SUM over ranks (W = 2, 4, 8 ... makes the round trip exact).
+
+DeepSpeed's `engine.step()` fuses norm, clip and update, and skips the update by itself when the
+norm is not finite (fp32 weights: stage 1/2 treat an invalid norm as overflow, stage 3 always
+does). So `clip_grad_norm` runs that step and returns the pre-clip norm; `optimizer_step` and
+`zero_grad` have nothing left to do. The DeepSpeed config is derived from ours (micro batch,
+accumulation, clipping, precision, stage); extra keys are merged and checked against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddptrain.distributed import backend_for, get_world_size, is_distributed
+from ddptrain.strategies.base import Strategy
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'ddptrain[deepspeed]'"
+
+# DeepSpeed config key -> the ddptrain setting it is derived from (for error messages).
+_DERIVED_FROM = {
+    "train_micro_batch_size_per_gpu": "batch.micro_size",
+    "gradient_accumulation_steps": "accumulation steps (batch.global_size / (batch.micro_size x world size))",
+    "train_batch_size": "batch.global_size (micro size x accumulation x world size)",
+    "gradient_clipping": "trainer.grad_clip (0.0 = no clipping)",
+    "zero_optimization.stage": "strategy",
+    "bf16.enabled": "trainer.precision (bf16 is the Engine's autocast over fp32 weights)",
+    "fp16.enabled": "trainer.precision (fp16 is not supported)",
+}
+
+# Extra keys that would silently change the objective or the step: the value they must keep.
+_REQUIRED = {
+    "gradient_allreduce_op": ("mean", "the strategy turns ZeRO's mean into the sum by scaling the loss by the world size"),
+    "zero_optimization.compute_grad_norm": (True, "the Engine reports the global gradient norm and skips non-finite steps"),
+    "torch_autocast.enabled": (False, "the Engine applies torch.autocast itself for trainer.precision=bf16"),
+    "amp.enabled": (False, "the Engine applies torch.autocast itself for trainer.precision=bf16"),
+}
+
+# Extra keys that are rejected outright, with the reason.
+_REJECTED = {
+    "scheduler": "the Engine steps the learning-rate schedule (Engine(lr_scheduler=...), optim.schedule)",
+}
+
+
+def import_deepspeed(strategy: str = "zero"):
+    """`import deepspeed`, or an ImportError that says how to install it."""
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise ImportError(f"strategy {strategy!r} needs DeepSpeed, which is not installed: {INSTALL_HINT}") from err
+    return deepspeed
+
+
+def _plain(value: Any) -> Any:
+    """Nested Mappings (OmegaConf DictConfig included) and lists as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [_plain(v) for v in value]
+    return value
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _deep_merge(base: dict, extra: Mapping) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def deepspeed_config(stage: int, *, micro_batch_size: int, grad_accum_steps: int, world_size: int,
+                     grad_clip: float | None, extra: Mapping | None = None,
+                     has_torch_optimizer: bool = True) -> dict:
+    """The DeepSpeed config derived from ddptrain's settings, with `extra` merged and checked.
+
+    A key of `extra` that ddptrain derives must hold the same value; a key that would change the
+    objective or the step is rejected. Either is a ValueError naming both values.
+    """
+    ours = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": micro_batch_size * grad_accum_steps * world_size,
+        "gradient_clipping": float(grad_clip) if grad_clip is not None else 0.0,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+    }
+    defaults = {
+        # Torch optimizers DeepSpeed has not listed (SGD, ...) are fine: ZeRO only partitions them.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # ddptrain logs the steps
+        "wall_clock_breakdown": False,
+    }
+    extra = _plain(extra or {})
+    ours_flat = _flatten(ours)
+    for path, value in _flatten(extra).items():
+        if path in ours_flat and value != ours_flat[path] and not _same_number(value, ours_flat[path]):
+            raise ValueError(f"strategy.deepspeed.{path}={value!r} contradicts {_DERIVED_FROM[path]}, from which "
+                             f"ddptrain derives {path}={ours_flat[path]!r}: remove the key or change the setting")
+        if path in _REQUIRED and value != _REQUIRED[path][0]:
+            required, why = _REQUIRED[path]
+            raise ValueError(f"strategy.deepspeed.{path}={value!r} is not supported: it must be {required!r} "
+                             f"because {why}")
+    for key, why in _REJECTED.items():
+        if key in extra:
+            raise ValueError(f"strategy.deepspeed.{key} is not supported: {why}")
+    if "optimizer" in extra and has_torch_optimizer:
+        raise ValueError("strategy.deepspeed.optimizer asks DeepSpeed to build the optimizer, but a torch optimizer "
+                         "was given too; pass optimizer=None to the Engine to use DeepSpeed's (library use only)")
+    if "optimizer" not in extra and not has_torch_optimizer:
+        raise ValueError("a ZeRO strategy needs an optimizer: a torch optimizer, or strategy.deepspeed.optimizer "
+                         "(DeepSpeed's, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}})")
+    return _deep_merge(_deep_merge(defaults, ours), extra)
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and float(a) == float(b)
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """DeepSpeed needs a process group; in a world of one without torchrun, start a group of one.
+
+    DeepSpeed's own fallback (MPI discovery through mpi4py) fails on a laptop. An in-memory
+    HashStore needs no port; `ddptrain.destroy_distributed()` ends it like any other group.
+    DeepSpeed also insists on LOCAL_RANK (engine `_do_args_sanity_check`), which is 0 here.
+    """
+    if not is_distributed():
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _disable_shm_comm_op(deepspeed) -> None:
+    """Keep DeepSpeed's CPU shared-memory comm op from being JIT-built at start-up.
+
+    DeepSpeed's TorchBackend builds it (`build_shm_op`, a ninja C++ build into the torch
+    extensions dir) whenever the CPU accelerator is active, although only
+    `inference_all_reduce` uses it. Every rank of a fresh machine then compiles it at once,
+    which costs ~30 s and was seen to kill a rank with SIGABRT. Training never uses it, so we mark
+    the op incompatible in DeepSpeed's op table (a module-level dict that DeepSpeed caches and
+    reads in build_shm_op) before DeepSpeed's comm backend starts.
+    """
+    if deepspeed.accelerator.get_accelerator().device_name() != "cpu":
+        return
+    if deepspeed.comm.is_initialized():
+        return  # someone started DeepSpeed's comm already; nothing left to prevent
+    compatible_ops = deepspeed.ops.__compatible_ops__
+    if compatible_ops.get("deepspeed_shm_comm"):
+        compatible_ops["deepspeed_shm_comm"] = False
+
+
+class DeepSpeedStrategy(Strategy):
+    """DeepSpeed ZeRO stage 1, 2 or 3; gradients summed over ranks, once per optimizer step.
+
+    Args:
+        stage: ZeRO stage (1: optimizer state, 2: + gradients, 3: + weights partitioned).
+        micro_batch_size: sequences per microbatch per rank (DeepSpeed's bookkeeping only).
+        grad_accum_steps: microbatches per rank per step (DeepSpeed's bookkeeping only; the
+            accumulation boundary is set per microbatch, so a step may hold any number).
+        deepspeed: extra DeepSpeed config keys (offload, bucket sizes...), checked against ours.
+    """
+
+    def __init__(self, stage: int, micro_batch_size: int = 1, grad_accum_steps: int = 1,
+                 deepspeed: Mapping | None = None):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage {stage!r} is not one of 1, 2, 3")
+        self.stage = stage
+        self.name = f"zero{stage}"
+        self._deepspeed = import_deepspeed(self.name)
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum_steps = grad_accum_steps
+        self.extra_config = _plain(deepspeed or {})
+        self.grad_clip: float | None = None
+        self.model = None
+        self.optimizer = None
+        self.config: dict | None = None
+        self._module: nn.Module | None = None
+        self._world_size = 1
+
+    # -- set up --------------------------------------------------------------------------------
+
+    def configure(self, *, grad_clip: float | None, precision: str) -> None:
+        if precision == "fp64":
+            raise ValueError(f"trainer.precision=fp64 is not supported by strategy {self.name!r}: DeepSpeed ZeRO "
+                             "keeps fp32/bf16/fp16 weight partitions; use fp32 or bf16, or strategy=ddp")
+        self.grad_clip = grad_clip
+
+    def setup(self, model: nn.Module, optimizer, device: torch.device) -> None:
+        bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+        if bad:
+            raise ValueError(f"strategy {self.name!r} needs fp32 weights (trainer.precision fp32 or bf16, which "
+                             f"autocasts); the model has {', '.join(bad)} parameters")
+        _ensure_process_group(device)
+        self._world_size = get_world_size()
+        self.config = deepspeed_config(self.stage, micro_batch_size=self.micro_batch_size,
+                                       grad_accum_steps=self.grad_accum_steps, world_size=self._world_size,
+                                       grad_clip=self.grad_clip, extra=self.extra_config,
+                                       has_torch_optimizer=optimizer is not None)
+        deepspeed = self._deepspeed
+        _disable_shm_comm_op(deepspeed)
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO dumps the whole config
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
+                                                          model_parameters=None if optimizer is not None
+                                                          else [p for p in model.parameters() if p.requires_grad])
+        self.model = engine
+        self._module = engine.module
+        # The torch optimizer (whose param_groups DeepSpeed's ZeRO optimizer shares, so an LR
+        # schedule over it still applies), or DeepSpeed's own when none was given.
+        self.optimizer = optimizer if optimizer is not None else ds_optimizer
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def start_step(self, num_microbatches: int) -> None:
+        # Stage 2 reduce-scatters gradients in every microbatch's backward and stage 3 also
+        # gathers weights in every forward: collectives, so every rank must run the same number
+        # of microbatches. Check it up front with one tiny all-reduce, so that a mismatch is the
+        # same clear error on every rank instead of a hang. Stage 1 reduces only in the final
+        # microbatch's backward, so ranks may hold different numbers (like DDP).
+        if self.stage == 1 or self._world_size == 1:
+            return
+        counts = torch.tensor([num_microbatches, -num_microbatches], dtype=torch.int64,
+                              device=self.model.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        most, fewest = int(counts[0]), -int(counts[1])
+        if most != fewest:
+            raise ValueError(f"strategy {self.name!r} needs the same number of microbatches on every rank; this step "
+                             f"has between {fewest} and {most} (ZeRO stage {self.stage} communicates in every "
+                             "microbatch; use zero1 or ddp for ragged microbatch counts)")
+
+    def microbatch_context(self, is_last: bool) -> ContextManager:
+        # DeepSpeed's own counter would call every gradient_accumulation_steps-th microbatch the
+        # boundary; the Engine knows which one is last, so say it (ZeRO reduces on the boundary).
+        self.model.set_gradient_accumulation_boundary(is_last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # x W: ZeRO averages over the W data-parallel ranks; no 1/GAS: the Engine normalised by N_t.
+        self.model.backward(loss * self._world_size, scale_wrt_gas=False)
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Runs DeepSpeed's fused norm + clip + update; returns the global norm before clipping.
+
+        DeepSpeed applies no update when that norm is not finite (and clears the gradients), so
+        the Engine's non-finite policy still holds: it sees the non-finite norm and counts the skip.
+        """
+        if max_norm != self.grad_clip and not (max_norm is None and self.grad_clip is None):
+            raise ValueError(f"clip_grad_norm(max_norm={max_norm!r}) but DeepSpeed was configured with "
+                             f"gradient_clipping from grad_clip={self.grad_clip!r}")
+        self.model.step()
+        norm = self.model.get_global_grad_norm()
+        if norm is None:
+            raise RuntimeError("DeepSpeed computed no gradient norm (zero_optimization.compute_grad_norm=false?)")
+        return torch.as_tensor(float(norm), dtype=torch.float64)
+
+    def optimizer_step(self) -> None:
+        pass  # done in clip_grad_norm: DeepSpeed's engine.step() clips and updates in one call
+
+    def zero_grad(self) -> None:
+        # DeepSpeed clears its (partitioned) gradients itself after an update or a skipped
+        # non-finite step; a step skipped for N_t = 0 never ran backward. Clear the module's
+        # .grad anyway (cheap, and what DeepSpeed's engine.zero_grad does).
+        self.model.zero_grad()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights as CPU tensors on every rank; stage 3 gathers each parameter collectively."""
+        state = self._module.state_dict(keep_vars=True)
+        if self.stage < 3:
+            return {k: v.detach().cpu().clone() for k, v in state.items()}
+        gathered: dict[int, torch.Tensor] = {}  # by id: tied weights are one parameter
+        out = {}
+        for key, tensor in state.items():
+            if hasattr(tensor, "ds_id"):
+                if id(tensor) not in gathered:
+                    with self._deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                        gathered[id(tensor)] = tensor.detach().cpu().clone()
+                out[key] = gathered[id(tensor)]
+            else:
+                out[key] = tensor.detach().cpu().clone()
+        return out
+
+    def save_checkpoint(self, directory: str | Path, tag: str = "zero", client_state: dict | None = None) -> None:
+        """DeepSpeed's own checkpoint (every rank writes its partitions; call on all ranks).
+
+        `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(directory, tag)`
+        turns it into the weights `model_state_dict()` returns.
+        """
+        self.model.save_checkpoint(str(directory), tag=tag, client_state=dict(client_state or {}))
+
+    def load_checkpoint(self, directory: str | Path, tag: str = "zero") -> dict:
+        """Load weights and optimizer partitions saved by `save_checkpoint`; returns its client_state."""
+        path, client_state = self.model.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                                        load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {tag!r} under {directory}")
+        return client_state or {}
+
+    def state_dict(self) -> dict:
+        # The optimizer state is partitioned over ranks: only save_checkpoint (every rank) holds it.
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass  # see state_dict: load_checkpoint restores the optimizer partitions
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError(f"strategy {self.name!r} keeps fp32 master partitions in its optimizer; resume with "
+                                  "strategy.load_checkpoint(dir, tag) on every rank (DeepSpeed's checkpoint)")
