@@ -125,6 +125,10 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: str = "auto"
+    """Rank-0 console: auto (a bar on a terminal, log lines otherwise) | bar | lines."""
+    peak_flops: Optional[float] = None
+    """Peak FLOP/s of one device for MFU (null: from the table of known accelerators; none on CPU)."""
 
 
 @dataclass
@@ -175,6 +179,7 @@ _CHOICES = {
     "data.name": ("stdlib",),
     "strategy.name": ("ddp", "zero1", "zero2", "zero3"),
     "logger.wandb.mode": ("online", "offline", "disabled"),
+    "logger.progress": ("auto", "bar", "lines"),
 }
 
 _POSITIVE = (
@@ -212,6 +217,8 @@ def validate(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
     if cfg.data.max_docs is not None and cfg.data.max_docs < 2:
         raise ConfigError(f"data.max_docs={cfg.data.max_docs!r} must be >= 2 (or null for all documents)")
+    if cfg.logger.peak_flops is not None and not cfg.logger.peak_flops > 0:
+        raise ConfigError(f"logger.peak_flops={cfg.logger.peak_flops!r} must be > 0 or null (from the device table)")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep!r} must be >= 1")
     for name in cfg.checkpoint.preempt_signals:
@@ -219,6 +226,9 @@ def validate(cfg: Any, world_size: int) -> int:
             raise ConfigError(f"checkpoint.preempt_signals has {name!r}, which is not a signal name like SIGUSR1")
     if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
         raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
+    if cfg.strategy.name != "ddp" and cfg.trainer.precision == "fp64":
+        raise ConfigError(f"trainer.precision='fp64' is not supported with strategy={cfg.strategy.name} "
+                          "(DeepSpeed ZeRO trains fp32 or bf16); use strategy=ddp for fp64")
     if cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}")
     if not 0 <= cfg.model.dropout < 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -45,6 +46,38 @@ class StepStats:
     """True when no update was applied (no valid tokens, or a non-finite gradient norm)."""
     reason: str = ""
     """Why the step was skipped: 'no_valid_tokens' or 'nonfinite'."""
+    forward_backward_s: float = 0.0
+    """Host seconds in forward and backward passes (DDP's overlapped gradient all-reduce included)."""
+    comm_wait_s: float = 0.0
+    """Host seconds blocked on the token-count and loss all-reduces (and the syncs they imply)."""
+    optimizer_s: float = 0.0
+    """Host seconds in clipping, the optimizer step, the LR schedule and zero_grad."""
+
+
+class _PhaseClock:
+    """Splits one step's host time into comm wait, optimizer and the rest (forward-backward)."""
+
+    def __init__(self):
+        self.began = time.perf_counter()
+        self.seconds = {"comm": 0.0, "optimizer": 0.0}
+        self._phase: str | None = None
+        self._since = 0.0
+
+    def start(self, phase: str) -> None:
+        self.stop()
+        self._phase, self._since = phase, time.perf_counter()
+
+    def stop(self) -> None:
+        if self._phase is not None:
+            self.seconds[self._phase] += time.perf_counter() - self._since
+            self._phase = None
+
+    def stamp(self, stats: "StepStats") -> "StepStats":
+        self.stop()
+        total = time.perf_counter() - self.began
+        stats.comm_wait_s, stats.optimizer_s = self.seconds["comm"], self.seconds["optimizer"]
+        stats.forward_backward_s = max(total - stats.comm_wait_s - stats.optimizer_s, 0.0)
+        return stats
 
 
 class Engine:
@@ -91,6 +124,7 @@ class Engine:
         if isinstance(strategy, str):
             strategy = build_strategy(strategy, **(strategy_options or {}))
         self.strategy = strategy
+        self.strategy.configure(grad_clip=grad_clip, precision=precision)
         self.strategy.setup(model, optimizer, self.device)
         self.skipped_steps = 0
 
@@ -108,7 +142,11 @@ class Engine:
         """
         if len(microbatches) == 0:
             raise ValueError("Engine.step needs at least one microbatch on every rank; got none")
+        # Phase times are host perf_counter readings around calls that already exist: no extra
+        # device sync. On a GPU, kernels still running are charged to the next sync point.
+        clock = _PhaseClock()
         microbatches = [self._to_device(inputs, targets) for inputs, targets in microbatches]
+        self.strategy.start_step(len(microbatches))
         global_tokens, count_done = self._count_tokens(microbatches)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for index, (inputs, targets) in enumerate(microbatches):
@@ -116,21 +154,27 @@ class Engine:
             with self.strategy.microbatch_context(is_last):
                 piece = self._forward(inputs, targets)
                 if index == 0:
+                    clock.start("comm")
                     count_done()
-                    if global_tokens.item() == 0:
-                        return self._skip_empty_step()
+                    is_empty = global_tokens.item() == 0
+                    clock.stop()
+                    if is_empty:
+                        return clock.stamp(self._skip_empty_step())
                 loss_sum += piece.detach().double()
                 self.strategy.backward(piece / global_tokens.to(piece.dtype))
+        clock.start("optimizer")
         grad_norm = self.strategy.clip_grad_norm(self.grad_clip)
+        clock.start("comm")
         tokens = int(global_tokens.item())
         loss = self._global_loss(loss_sum) / tokens
+        clock.start("optimizer")
         if not math.isfinite(float(grad_norm)):
-            return self._skip_nonfinite(loss, tokens, float(grad_norm))
+            return clock.stamp(self._skip_nonfinite(loss, tokens, float(grad_norm)))
         self.strategy.optimizer_step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.strategy.zero_grad()
-        return StepStats(loss=loss, tokens=tokens, grad_norm=float(grad_norm))
+        return clock.stamp(StepStats(loss=loss, tokens=tokens, grad_norm=float(grad_norm)))
 
     def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> Microbatch:
         non_blocking = self.device.type == "cuda"

@@ -1,4 +1,5 @@
-"""What rank 0 records: metrics.jsonl (one JSON object per logged step), console lines, wandb."""
+"""What rank 0 records: metrics.jsonl (one JSON object per logged step), console lines or a
+progress bar, and wandb; plus the per-window throughput, MFU, padding and time-split numbers."""
 
 from __future__ import annotations
 
@@ -6,11 +7,21 @@ import json
 import logging
 import math
 import os
+import resource
+import sys
 from pathlib import Path
 
+import torch
+
+from ddptrain.data.plan import rank_share, split_micro
 from ddptrain.distributed import is_rank_zero
+from ddptrain.flops import ModelFlops
+from ddptrain.preemption import Preempted
+from ddptrain.progress import Progress
 
 log = logging.getLogger(__name__)
+
+TIME_SPLIT = ("data_wait_s", "forward_backward_s", "comm_wait_s", "optimizer_s")
 
 
 def _clean(value):
@@ -20,78 +31,210 @@ def _clean(value):
     return value
 
 
+# -- throughput -------------------------------------------------------------------------------
+
+
+def global_microbatch_shapes(batches, step: int) -> list[tuple[int, int]]:
+    """(rows, width) of every microbatch of every rank at optimizer step index `step`.
+
+    Computed from the global batch plan and the example lengths alone (no collective): each rank
+    takes its contiguous share and pads a microbatch to its longest example, as `collate` does.
+    """
+    global_ids = batches.plan.global_batch(step)
+    lengths = batches.examples.lengths
+    shapes = []
+    for rank in range(batches.world_size):
+        for ids in split_micro(rank_share(global_ids, rank, batches.world_size), batches.micro_batch_size):
+            if len(ids):
+                shapes.append((len(ids), int(lengths[ids].max()) - 1))
+    return shapes
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated memory on a GPU; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+class ThroughputWindow:
+    """Sums the training steps since the last logged step: tokens, FLOPs and time per phase.
+
+    Rates divide by the time spent in training steps (data wait + Engine.step), so evaluation
+    and checkpoint time do not lower tokens/s or MFU. FLOPs and tokens are global (all ranks);
+    MFU divides by the peak of one device times the world size.
+    """
+
+    def __init__(self, model_flops: ModelFlops | None, peak_flops: float | None, world_size: int):
+        self.model_flops = model_flops
+        self.peak_flops = peak_flops
+        self.world_size = world_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.valid_tokens = 0
+        self.processed_tokens = 0
+        self.flops = 0.0
+        self.seconds = dict.fromkeys(TIME_SPLIT, 0.0)
+
+    def add(self, stats, data_wait_s: float, shapes: list[tuple[int, int]]) -> None:
+        self.steps += 1
+        self.valid_tokens += stats.tokens
+        self.processed_tokens += sum(rows * width for rows, width in shapes)
+        if self.model_flops is not None:
+            self.flops += sum(self.model_flops.per_microbatch(rows, width) for rows, width in shapes)
+        self.seconds["data_wait_s"] += data_wait_s
+        for key in TIME_SPLIT[1:]:
+            self.seconds[key] += getattr(stats, key, 0.0)
+
+    def summary(self) -> dict:
+        """The window's rates and per-step mean times; then starts a new window."""
+        train_s = max(sum(self.seconds.values()), 1e-9)
+        steps = max(self.steps, 1)
+        flops_per_second = self.flops / train_s if self.model_flops is not None else None
+        peak = self.peak_flops * self.world_size if self.peak_flops else None
+        record = {
+            "tokens_per_second": self.valid_tokens / train_s,
+            "flops_per_second": flops_per_second,
+            "mfu": flops_per_second / peak if peak and flops_per_second is not None else None,
+            "padding_efficiency": self.valid_tokens / self.processed_tokens if self.processed_tokens else None,
+            "step_time_s": train_s / steps,
+            **{key: value / steps for key, value in self.seconds.items()},
+        }
+        self.reset()
+        return record
+
+
+# -- the logger -------------------------------------------------------------------------------
+
+
+def _has_wandb_credentials(wandb) -> bool:
+    """True when wandb can log in without asking anyone (no prompt, no network)."""
+    try:
+        return bool(wandb.login(prompt=False, verify=False))
+    except TypeError:  # a wandb without login(prompt=...)
+        return bool(os.environ.get("WANDB_API_KEY"))
+
+
 class MetricsLogger:
-    """Appends to `<run_dir>/metrics.jsonl` on rank 0; optional wandb; silent on other ranks."""
+    """Appends to `<run_dir>/metrics.jsonl` on rank 0; console lines or a bar; optional wandb.
+
+    Silent on other ranks. wandb starts on rank 0 only, after the process group exists (the
+    trainer builds this after init_distributed), never prompts, and `close` always finishes it.
+    """
 
     def __init__(self, run_dir: str | Path, wandb_mode: str = "disabled", wandb_project: str = "ddptrain",
                  wandb_name: str | None = None, config: dict | None = None, run_id: str | None = None,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, progress: str = "lines", max_steps: int | None = None,
+                 window: ThroughputWindow | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = is_rank_zero()
         self.run_id = run_id
+        self.window = window or ThroughputWindow(None, None, 1)
+        self.progress = Progress(max_steps or 1, resume_step or 0, progress if max_steps else "lines")
         self._file = None
         self._wandb_run = None
+        self._wandb_logged_through = 0  # steps up to here are already in the wandb run
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(resume_step)
+        logged_through = self._truncate_after(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if wandb_mode != "disabled":
             self._wandb_run = self._start_wandb(wandb_mode, wandb_project, wandb_name or Path(run_dir).name, config,
                                                 run_dir, run_id)
             self.run_id = self._wandb_run.id
+            # A run killed after its last checkpoint already sent the steps that the resumed run
+            # repeats (with the same values: resume is exact). wandb cannot take a step twice, so
+            # those are written to metrics.jsonl again but not to wandb.
+            if run_id is not None:
+                self._wandb_logged_through = max(logged_through, int(self._wandb_run.step or 0) - 1)
 
-    def _truncate_after(self, resume_step: int | None) -> None:
+    def _truncate_after(self, resume_step: int | None) -> int:
         """On resume, drop lines of steps after the checkpoint: they will be logged again.
 
         A fresh run (no checkpoint) in a run dir with an old metrics.jsonl starts the file anew.
+        Returns the last step the file held before (0 if none).
         """
         if not self.path.exists():
-            return
-        keep = []
-        if resume_step is not None:
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    if json.loads(line)["step"] <= resume_step:
-                        keep.append(line)
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by a crash
+            return 0
+        keep, last = [], 0
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a crash
+            last = max(last, step)
+            if resume_step is not None and step <= resume_step:
+                keep.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
         os.replace(tmp, self.path)
+        return last
 
     @staticmethod
     def _start_wandb(mode: str, project: str, name: str, config: dict | None, run_dir, run_id: str | None):
+        os.environ.setdefault("WANDB_SILENT", "true")
         import wandb  # lazy: wandb is heavy and optional at run time
 
-        os.environ.setdefault("WANDB_SILENT", "true")
+        if mode == "online" and not _has_wandb_credentials(wandb):
+            log.warning("logger.wandb.mode=online but no wandb credentials (WANDB_API_KEY, netrc): logging offline; "
+                        "upload later with `wandb sync %s/wandb/offline-run-*`", run_dir)
+            mode = "offline"
+        # console="off": wandb must not wrap stdout/stderr (the progress bar and log lines own them).
+        settings = wandb.Settings(console="off", silent=True)
         return wandb.init(mode=mode, project=project, name=name, config=config, dir=str(run_dir), id=run_id,
-                          resume="allow" if run_id else None)
+                          resume="allow" if run_id else None, settings=settings)
 
     def log(self, metrics: dict) -> None:
+        """One logged step: metrics.jsonl, wandb, and the console (a line above the bar, or a log line)."""
         if not self.enabled:
             return
         record = {key: _clean(value) for key, value in metrics.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+        step = int(metrics["step"])
+        if self._wandb_run is not None and step > self._wandb_logged_through:
+            self._wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+        log.info(format_line(record) if self.progress.is_bar else format_line(record, self.progress.suffix(step)))
 
-    def close(self) -> None:
+    def step_done(self, step: int, loss: float | None) -> None:
+        """After every optimizer step: moves the bar (rank 0, on a terminal)."""
+        if self.enabled:
+            self.progress.update(step, loss if loss is not None and math.isfinite(loss) else None)
+
+    def close(self, exit_code: int | None = None) -> None:
+        """Flush and close; `wandb.finish()` always runs, with exit code 1 while an exception is raised."""
+        self.progress.close()
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._wandb_run is not None:
-            self._wandb_run.finish()
-            self._wandb_run = None
+            run, self._wandb_run = self._wandb_run, None
+            if exit_code is None:
+                error = sys.exc_info()[1]  # set while close() runs in a `finally` after an exception
+                exit_code = 0 if error is None or isinstance(error, Preempted) else 1
+            run.finish(exit_code=exit_code)
 
 
-def format_line(metrics: dict) -> str:
-    parts = [f"step {metrics['step']}"]
-    for key, fmt in (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
-                     ("tokens", "{:d}"), ("tokens_per_second", "{:.0f}")):
-        if key in metrics and metrics[key] is not None:
+_FORMATS = (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
+            ("tokens", "{:d}"), ("tokens_per_second", "{:,.0f}"), ("flops_per_second", "{:.3g}"), ("mfu", "{:.1%}"),
+            ("padding_efficiency", "{:.1%}"))
+
+
+def format_line(metrics: dict, step_suffix: str = "") -> str:
+    """`step 10/200 (5%) | ETA 01:23 | loss 3.1416 | ...` (the suffix comes from Progress)."""
+    parts = [f"step {metrics['step']}{step_suffix}"]
+    for key, fmt in _FORMATS:
+        if metrics.get(key) is not None:
             parts.append(f"{key} " + fmt.format(metrics[key]))
+    if metrics.get("step_time_s") is not None:
+        split = "/".join(f"{metrics.get(key) or 0:.3f}" for key in TIME_SPLIT)
+        parts.append(f"step {metrics['step_time_s']:.3f}s (data/fwd-bwd/comm/optim {split})")
+    if metrics.get("peak_memory_bytes"):
+        parts.append(f"peak mem {metrics['peak_memory_bytes'] / 2**20:,.0f} MiB")
     if metrics.get("skipped_steps"):
         parts.append(f"skipped {metrics['skipped_steps']}")
     return " | ".join(parts)

@@ -7,6 +7,7 @@ destroys it in `finally`. No private torch.testing._internal APIs.
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import queue
@@ -38,6 +39,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     except BaseException:  # report every failure to the parent, which raises it
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        gc.collect()  # free DDP modules before the group goes (see ddptrain.__main__.train)
         destroy_distributed()
 
 

@@ -316,6 +316,7 @@ class Trainer:
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.restore()
+        self.engine = None  # drop the wrapped model before the process group is destroyed
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
             metrics.close()

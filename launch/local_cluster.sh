@@ -53,6 +53,7 @@ start_munge() {
         return 0 # already running (ours, or the distribution's service)
     fi
     if [[ ! -s /etc/munge/munge.key ]]; then
+        install -d -o munge -g munge -m 0700 /etc/munge
         mungekey --create --keyfile=/etc/munge/munge.key
         chown munge:munge /etc/munge/munge.key
         chmod 0400 /etc/munge/munge.key

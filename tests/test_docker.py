@@ -173,22 +173,33 @@ def test_entrypoint_runs_torchrun_with_overrides_passed_through(instructions):
     assert '"$@"' in command, f"`docker run IMAGE overrides...` must reach ddptrain: {command}"
 
 
-def readme_training_command() -> str:
-    """The line of README.md's first fenced code block that runs `-m ddptrain`."""
+def readme_code_blocks() -> list[str]:
     if not README.exists():
         pytest.skip("README.md does not exist yet: cannot compare the entrypoint with its command")
-    block = re.search(r"^```[^\n]*\n(.*?)^```", README.read_text(), flags=re.S | re.M)
-    assert block, "README.md has no fenced code block"
-    lines = [line.strip() for line in block.group(1).splitlines() if "-m ddptrain" in line]
-    assert lines, f"README.md's first code block has no `-m ddptrain` command:\n{block.group(1)}"
-    return lines[0]
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    assert blocks, "README.md has no fenced code block"
+    return blocks
+
+
+def test_readme_first_code_block_runs_ddptrain():
+    first = readme_code_blocks()[0]
+    assert "-m ddptrain" in first, f"README.md's first code block does not run `-m ddptrain`:\n{first}"
+
+
+def readme_torchrun_command() -> str:
+    """The README's first `torchrun ... -m ddptrain` line: the command the image must run."""
+    for block in readme_code_blocks():
+        for line in block.splitlines():
+            line = line.strip()
+            if line.startswith("torchrun") and "-m ddptrain" in line:
+                return line
+    raise AssertionError("README.md shows no `torchrun ... -m ddptrain` command")
 
 
 def test_entrypoint_matches_readme_command(instructions):
-    readme = readme_training_command()
+    readme = readme_torchrun_command()
     command = entrypoint_command(instructions)
-    launcher = readme.split()[0]
-    assert launcher in command, f"README launches with {launcher!r}; the image runs {command!r}"
+    assert re.search(r"(^|\s)(exec\s+)?torchrun\s", command), f"the image runs {command!r}, not torchrun"
     # Every torchrun option the README uses (--standalone, --nproc_per_node) is in the entrypoint.
     before_module = readme.split("-m ddptrain")[0]
     options = {opt.split("=")[0].replace("-", "_") for opt in re.findall(r"--[\w-]+(?:=\S+)?", before_module)}

@@ -1,0 +1,329 @@
+"""What users see: metrics fields, FLOP/s against a hand count, wandb offline read back and resumed,
+rank-0-only progress in a 2-rank run, the progress bar, and the plot command. Real CLI runs, tiny."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddptrain.flops import ModelFlops, device_peak_flops, lookup_peak_flops
+from ddptrain.models import GPT, GPTConfig
+from ddptrain.progress import Progress
+from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
+
+SMALL = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=4"]
+TIME_SPLIT = ("data_wait_s", "forward_backward_s", "comm_wait_s", "optimizer_s")
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tiny")
+    _ok(run_cli([*SMALL, "trainer.max_steps=4", "trainer.eval_every=2", f"run.dir={run_dir}"]))
+    return run_dir
+
+
+# -- metrics.jsonl ------------------------------------------------------------------------------
+
+
+def test_metrics_lines_carry_every_field(tiny_run):
+    metrics = read_metrics(tiny_run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        for key in ("loss", "lr", "grad_norm", "tokens", "tokens_seen", "tokens_per_second", "flops_per_second",
+                    "mfu", "padding_efficiency", "peak_memory_bytes", "step_time_s", "skipped_steps", *TIME_SPLIT):
+            assert key in m, key
+        assert m["tokens"] > 0 and m["tokens_per_second"] > 0 and m["flops_per_second"] > 0
+        assert m["mfu"] is None, "no peak FLOP/s is known for a CPU"
+        assert 0 < m["padding_efficiency"] <= 1
+        assert m["peak_memory_bytes"] > 10 * 2**20, "peak RSS of a torch process"
+        assert all(m[key] >= 0 for key in TIME_SPLIT)
+        assert sum(m[key] for key in TIME_SPLIT) == pytest.approx(m["step_time_s"], rel=1e-6)
+        assert m["skipped_steps"] == 0
+    assert [("val_loss" in m) for m in metrics] == [False, True, False, True]
+    assert [m["tokens_seen"] for m in metrics] == list(torch.tensor([m["tokens"] for m in metrics]).cumsum(0))
+
+
+def test_padding_efficiency_is_valid_over_processed_tokens_of_the_step(tiny_run):
+    """Recount the step's microbatch shapes from the data (the same global batch for any layout)."""
+    from ddptrain.data import TrainBatches, load_stdlib
+
+    data = load_stdlib(64, 5.0, 40)
+    batches = TrainBatches(data.train, 8, 4, 1234, rank=0, world_size=1)
+    for m in read_metrics(tiny_run):
+        processed = valid = 0
+        for inputs, targets in batches.microbatches(m["step"] - 1):
+            processed += inputs.numel()
+            valid += int((targets != -100).sum())
+        assert valid == m["tokens"]
+        assert m["padding_efficiency"] == pytest.approx(valid / processed, rel=1e-12)
+
+
+# -- FLOPs ----------------------------------------------------------------------------------------
+
+
+def _hand_count_per_token(model: GPT, seq_len: int) -> float:
+    """6 x (parameters in matmuls) + 12 x n_layer x n_embd x T, counted from the parameter list."""
+    matmul_params = sum(p.numel() for name, p in model.named_parameters() if name != "pos_emb.weight")
+    return 6 * matmul_params + 12 * model.cfg.n_layer * model.cfg.n_embd * seq_len
+
+
+def test_flops_per_token_of_the_default_model_match_a_hand_count_and_torch_flop_counter():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddptrain.config import ModelConfig
+
+    defaults, seq_len = ModelConfig(), 256
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, max_seq_len=seq_len, n_layer=defaults.n_layer, n_head=defaults.n_head,
+                          n_embd=defaults.n_embd))
+    hand = _hand_count_per_token(model, seq_len)
+    assert ModelFlops.of_gpt(model).per_token(seq_len) == pytest.approx(hand, rel=0.05)
+    # An independent count: torch's FLOP counter over a real forward + backward (the math SDPA
+    # kernel, whose bmm's the counter sees; it counts the full T x T score matrix, as PaLM does).
+    inputs = torch.randint(0, 256, (2, seq_len))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(inputs).sum().backward()
+    measured_per_token = counter.get_total_flops() / inputs.numel()
+    assert ModelFlops.of_gpt(model).per_token(seq_len) == pytest.approx(measured_per_token, rel=0.05)
+
+
+def test_logged_flops_per_second_match_the_hand_count_for_the_default_model(tmp_path):
+    """flops_per_second / processed tokens per second = FLOPs per token of the default model."""
+    seq_len = 256
+    _ok(run_cli(["data.max_docs=40", "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_examples=8",
+                 f"batch.seq_len={seq_len}", "batch.global_size=8", "batch.micro_size=8", f"run.dir={tmp_path}"]))
+    model = GPT(GPTConfig(vocab_size=256, max_seq_len=seq_len))  # the default model's shape
+    hand = _hand_count_per_token(model, seq_len)
+    for m in read_metrics(tmp_path):
+        processed_per_second = m["tokens_per_second"] / m["padding_efficiency"]
+        logged = m["flops_per_second"] / processed_per_second
+        print(f"step {m['step']}: logged {logged:.4g} FLOPs/token, hand count {hand:.4g} "
+              f"({logged / hand - 1:+.2%}), {m['flops_per_second']:.3g} FLOP/s")
+        # Microbatches narrower than seq_len (all examples short) make the attention term smaller.
+        assert logged == pytest.approx(hand, rel=0.05)
+
+
+def test_peak_flops_table_and_override():
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
+    assert lookup_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert lookup_peak_flops("NVIDIA H200", "bf16") == 989.4e12
+    assert lookup_peak_flops("NVIDIA A100-SXM4-80GB", "tf32") == 156e12
+    assert lookup_peak_flops("NVIDIA A10G", "bf16") == 70e12
+    assert lookup_peak_flops("NVIDIA L40S", "fp32") == 91.6e12
+    assert lookup_peak_flops("Tesla V100-SXM2-32GB", "bf16") is None
+    assert lookup_peak_flops("AMD Instinct MI300X", "bf16") == 1307.4e12
+    assert lookup_peak_flops("Some Future GPU", "bf16") is None
+    assert device_peak_flops(torch.device("cpu"), "fp32") is None
+    assert device_peak_flops(torch.device("cpu"), "fp32", override=2e12) == 2e12
+
+
+# -- rank-0 progress in a 2-rank run ------------------------------------------------------------
+
+
+def test_two_ranks_rank0_prints_progress_and_rank1_only_warnings(tmp_path):
+    """torchrun --redirects 3 puts each rank's stdout and stderr in its own files."""
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--redirects=3",
+           f"--log-dir={logs}", "-m", "ddptrain", *SMALL, "trainer.max_steps=4", "trainer.log_every=2",
+           "logger.peak_flops=1e12", f"run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    _ok(subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300))
+
+    def output(rank: int) -> str:
+        files = sorted(logs.rglob(f"{rank}/std*.log"))
+        assert len(files) == 2, files
+        return "".join(f.read_text() for f in files)
+
+    rank0, rank1 = output(0), output(1)
+    assert "world: 2 rank(s)" in rank0 and "strategy: ddp" in rank0 and "run dir:" in rank0
+    assert "step 2/4 (50%)" in rank0 and "step 4/4 (100%)" in rank0 and "ETA" in rank0
+    noisy = [line for line in rank1.splitlines()
+             if line.strip() and not any(word in line.lower() for word in ("warn", "error"))]
+    assert noisy == [], f"rank 1 printed more than warnings and errors: {noisy[:5]}"
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [2, 4]
+    for m in metrics:  # MFU against 2 devices of 1e12 FLOP/s each
+        assert m["mfu"] == pytest.approx(m["flops_per_second"] / 2e12, rel=1e-9)
+
+
+def test_progress_bar_on_a_terminal_keeps_log_lines_above_it():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    logger = logging.getLogger("ddptrain.test_bar")
+    handler = logging.StreamHandler(screen)
+    logging.getLogger("ddptrain").addHandler(handler)
+    try:
+        progress = Progress(total_steps=4, mode="auto", stream=screen, min_interval_s=0)
+        assert progress.is_bar
+        progress.update(1, loss=3.5, tokens_per_second=1234.0)
+        logger.warning("checkpoint written")
+        progress.update(4, loss=3.0, tokens_per_second=1500.0)
+        progress.close()
+    finally:
+        logging.getLogger("ddptrain").removeHandler(handler)
+    text = screen.getvalue()
+    assert "step 1/4 [######..................]  25% | loss 3.5000 | 1,234 tok/s | ETA" in text
+    assert "\r\x1b[Kcheckpoint written\n\r\x1b[Kstep 1/4" in text, "the log line clears the bar, which is redrawn"
+    assert "step 4/4 [########################] 100%" in text and text.endswith("\n")
+    assert not Progress(total_steps=4, mode="auto", stream=io.StringIO()).is_bar, "not a terminal: lines"
+
+
+# -- wandb offline ------------------------------------------------------------------------------
+
+
+def read_wandb_records(path: Path):
+    """The records of an offline run's `.wandb` file, parsed with wandb's own protobuf schema.
+
+    wandb 0.31 has no Python reader of its transaction log any more (`wandb.sdk.internal.datastore`
+    is gone; wandb-core reads it in Go). The file is ':W&B' + magic 0xBEE1 + version byte, then
+    LevelDB-log framing: 32 KiB blocks of chunks (crc32c, little-endian length, type FULL=1,
+    FIRST=2, MIDDLE=3, LAST=4), each whole payload a serialised `wandb_internal_pb2.Record`.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0), data[:7]
+    pos, block, payload = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a chunk header is zero padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        payload = chunk if kind in (1, 2) else payload + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            yield record
+
+
+def read_wandb_run(path: Path) -> dict:
+    run_id, config, history = None, {}, []
+    for record in read_wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run_id = record.run.run_id
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+        elif kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+        elif kind == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            assert row["_step"] == record.history.step.num
+            history.append(row)
+    return {"run_id": run_id, "config": config, "history": history}
+
+
+def test_wandb_offline_run_reads_back_and_a_resumed_run_continues_it_without_duplicates(tmp_path):
+    wandb_run = [*SMALL, "trainer.max_steps=8", "checkpoint.every=4", "logger.wandb.mode=offline",
+                 "trainer.nonfinite=stop", f"run.dir={tmp_path}"]
+    env = {"WANDB_SILENT": "true"}
+    # Step 6 fails (NaN gradients, nonfinite=stop) after steps 1-5 were logged; the checkpoint is
+    # of step 4, so the resumed run repeats step 5. The failed run still finishes its wandb run.
+    failed = run_cli(wandb_run, env={**env, "DDPTRAIN_FAILPOINT": "nan@6:0"})
+    assert failed.returncode != 0 and "non-finite gradient norm" in failed.stderr
+    files = sorted((tmp_path / "wandb").glob("*run-*/run-*.wandb"))
+    assert len(files) == 1
+    first = read_wandb_run(files[0])
+    assert [row["_step"] for row in first["history"]] == [1, 2, 3, 4, 5]
+    assert first["config"]["trainer"]["max_steps"] == 8
+    assert first["config"]["model"]["n_embd"] == 32
+    jsonl = {m["step"]: m for m in read_metrics(tmp_path)}
+    for row in first["history"]:  # the same numbers as metrics.jsonl
+        assert row["loss"] == pytest.approx(jsonl[row["_step"]]["loss"], rel=1e-12)
+        assert "flops_per_second" in row and "padding_efficiency" in row and "tokens_per_second" in row
+    checkpoint = torch.load(tmp_path / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=False)
+    assert checkpoint["wandb_run_id"] == first["run_id"]
+
+    _ok(run_cli(wandb_run, env=env))
+    files = sorted((tmp_path / "wandb").glob("*run-*/run-*.wandb"))
+    assert len(files) == 2, "the resumed run writes a second offline file of the same run"
+    second = read_wandb_run(files[1])
+    assert second["run_id"] == first["run_id"]
+    assert second["config"]["trainer"]["max_steps"] == 8
+    steps = [row["_step"] for run in (first, second) for row in run["history"]]
+    assert steps == list(range(1, 9)), "every step once: step 5 is not sent again"
+    assert "val_loss" in second["history"][-1]
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 9))
+
+
+# -- plots ----------------------------------------------------------------------------------------
+
+
+def test_plot_command_draws_one_line_per_run(tiny_run, tmp_path):
+    from ddptrain.plot import make_figure
+
+    runs = []
+    for index, name in enumerate(["layout_a", "layout_b"]):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{**m, "loss": m["loss"] + 0.05 * (index + 1)} for m in read_metrics(tiny_run)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        runs.append(run)
+    runs.append(tiny_run)
+    out = tmp_path / "plots" / "loss.png"
+    result = subprocess.run([sys.executable, "-m", "ddptrain.plot", *map(str, runs), "-o", str(out)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 20_000
+    from PIL import Image
+
+    with Image.open(out) as image:
+        assert image.size == (1440, 540)
+        assert len(image.getcolors(maxcolors=1 << 20) or []) > 50, "not a blank image"
+
+    fig = make_figure(runs, labels=["a", "b", "tiny"])
+    for ax in fig.axes:
+        training = [line.get_label() for line in ax.get_lines() if not line.get_label().endswith("(val)")]
+        assert training == ["a", "b", "tiny"]
+        assert [line.get_label() for line in ax.get_lines() if line.get_label().endswith("(val)")] == \
+            ["a (val)", "b (val)", "tiny (val)"]
+
+    bad = subprocess.run([sys.executable, "-m", "ddptrain.plot", str(tmp_path / "nope"), "-o", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "metrics.jsonl does not exist" in bad.stderr
+
+
+def test_wandb_online_without_credentials_falls_back_to_offline_without_a_prompt(tmp_path, monkeypatch):
+    from ddptrain.metrics import MetricsLogger
+
+    warnings = io.StringIO()
+    handler = logging.StreamHandler(warnings)
+    logging.getLogger("ddptrain.metrics").addHandler(handler)
+
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # a prompt would read here and fail
+    logger = MetricsLogger(tmp_path / "run", "online", "ddptrain", config={"a": 1})
+    try:
+        logger.log({"step": 1, "loss": 2.0})
+        assert logger._wandb_run.settings.mode == "offline"
+    finally:
+        logger.close()
+        logging.getLogger("ddptrain.metrics").removeHandler(handler)
+    assert "no wandb credentials" in warnings.getvalue()
+    assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
