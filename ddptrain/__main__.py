@@ -11,6 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ddptrain.config import ConfigError, register_configs, validate
+from ddptrain.data import DataError
 from ddptrain.distributed import destroy_distributed, env_world_size, init_distributed, setup_logging
 from ddptrain.trainer import Trainer
 
@@ -30,6 +31,9 @@ def train(cfg: DictConfig) -> None:
     trainer = Trainer(cfg, dist_info)
     try:
         trainer.build().fit()
+    except DataError as error:  # bad input data: a clear message on every rank, not a traceback
+        logging.getLogger("ddptrain").error("data error: %s", error)
+        sys.exit(2)
     finally:
         trainer.close()
         # A DDP module still alive at destroy_process_group() sometimes aborts the process at exit

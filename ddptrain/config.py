@@ -54,6 +54,10 @@ class BatchConfig:
     """Sequences per microbatch per rank."""
     seq_len: int = 256
     """Tokens per sequence (inputs); documents are cut to this and their ends padded."""
+    micro_tokens: Optional[int] = None
+    """Instead of micro_size: at most this many padded tokens per microbatch (>= seq_len)."""
+    pack: bool = False
+    """Pack several documents into each row of seq_len tokens (attention stays per document)."""
 
 
 @dataclass
@@ -93,11 +97,33 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: str = "stdlib"
-    """stdlib: the running interpreter's standard-library sources, byte tokens."""
+    """stdlib (the interpreter's standard-library sources) | text | jsonl | tokens | hf (optional extra)."""
     val_percent: float = 5.0
-    """Percent of documents (by a hash of their name) held out for validation."""
+    """Percent of documents (by a hash of their name) held out for validation (unless val_paths)."""
     max_docs: Optional[int] = None
     """Use only the first N documents (quick experiments and tests)."""
+    paths: list = field(default_factory=list)
+    """Source files or globs (`**` recursive); hf: data files or one save_to_disk directory."""
+    val_paths: list = field(default_factory=list)
+    """Separate validation files or globs (instead of the hash split by val_percent)."""
+    split_by: str = "file"
+    """text: one document per file | paragraph (per blank-line-separated paragraph)."""
+    field: str = "text"
+    """jsonl and hf: the string field (column) holding each document."""
+    tokenizer: str = "byte"
+    """byte | path to a Hugging Face tokenizer.json (optional extra); not for data=tokens."""
+    on_decode_error: str = "replace"
+    """Bytes that are not UTF-8 where text is needed (jsonl, tokenizer.json): replace (U+FFFD, counted) | error."""
+    dtype: str = "uint16"
+    """tokens: uint16 | uint32, the element type of the flat token files (nanoGPT writes uint16)."""
+    eod_token: Optional[int] = None
+    """tokens: the end-of-document id that ends (and belongs to) each document."""
+    index: Optional[str] = None
+    """tokens: a .npy of document start offsets into the one file of data.paths (instead of eod_token)."""
+    vocab_size: Optional[int] = None
+    """Model vocabulary; required for data=tokens (ids must be below it); default: the tokenizer's."""
+    cache_dir: Optional[str] = None
+    """Preprocessing cache, shared by the ranks of a node (default: $XDG_CACHE_HOME/ddptrain or ~/.cache/ddptrain)."""
 
 
 @dataclass
@@ -176,7 +202,10 @@ _CHOICES = {
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "constant"),
     "model.name": ("gpt",),
-    "data.name": ("stdlib",),
+    "data.name": ("stdlib", "text", "jsonl", "tokens", "hf"),
+    "data.split_by": ("file", "paragraph"),
+    "data.on_decode_error": ("replace", "error"),
+    "data.dtype": ("uint16", "uint32"),
     "strategy.name": ("ddp", "zero1", "zero2", "zero3"),
     "logger.wandb.mode": ("online", "offline", "disabled"),
     "logger.progress": ("auto", "bar", "lines"),
@@ -217,6 +246,7 @@ def validate(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
     if cfg.data.max_docs is not None and cfg.data.max_docs < 2:
         raise ConfigError(f"data.max_docs={cfg.data.max_docs!r} must be >= 2 (or null for all documents)")
+    _validate_data(cfg.data)
     if cfg.logger.peak_flops is not None and not cfg.logger.peak_flops > 0:
         raise ConfigError(f"logger.peak_flops={cfg.logger.peak_flops!r} must be > 0 or null (from the device table)")
     if cfg.checkpoint.keep < 1:
@@ -233,7 +263,45 @@ def validate(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}")
     if not 0 <= cfg.model.dropout < 1:
         raise ConfigError(f"model.dropout={cfg.model.dropout!r} must be in [0, 1)")
-    return grad_accum_steps(cfg.batch.global_size, cfg.batch.micro_size, world_size)
+    batch = cfg.batch
+    if batch.micro_tokens is not None or batch.pack:
+        if cfg.strategy.name != "ddp":
+            raise ConfigError(f"batch.micro_tokens / batch.pack give ranks different numbers of microbatches, which "
+                              f"strategy={cfg.strategy.name} (DeepSpeed, fixed accumulation steps) cannot run; "
+                              "use strategy=ddp or batch.micro_size without packing")
+        if batch.micro_tokens is not None and batch.micro_tokens < batch.seq_len:
+            raise ConfigError(f"batch.micro_tokens={batch.micro_tokens} must be >= batch.seq_len={batch.seq_len} "
+                              "(a microbatch holds at least one full sequence)")
+        if batch.global_size < world_size or (batch.micro_tokens is None and batch.global_size % world_size):
+            rule = "at least" if batch.micro_tokens is not None else "divisible by"
+            raise ConfigError(f"batch.global_size={batch.global_size} must be {rule} the world size {world_size}")
+        return 0  # varies per step and rank
+    return grad_accum_steps(batch.global_size, batch.micro_size, world_size)
+
+
+def _validate_data(data: Any) -> None:
+    if data.name != "stdlib" and not data.paths:
+        raise ConfigError(f"data.paths is empty: data={data.name} needs files or globs, e.g. data.paths=[corpus/*.txt]")
+    if data.name == "stdlib" and (data.paths or data.val_paths):
+        raise ConfigError("data.paths / data.val_paths are not used by data=stdlib; pick data=text, jsonl, tokens or hf")
+    if data.vocab_size is not None and data.vocab_size < 2:
+        raise ConfigError(f"data.vocab_size={data.vocab_size!r} must be >= 2 (or null: the tokenizer's)")
+    if data.name == "tokens":
+        if data.vocab_size is None:
+            raise ConfigError("data.vocab_size is required for data=tokens: the model's vocabulary, above every "
+                              "token id in the files (e.g. 50304 for GPT-2 tokens)")
+        if data.tokenizer != "byte":
+            raise ConfigError(f"data.tokenizer={data.tokenizer!r} does not apply to data=tokens (already tokenized)")
+        if data.eod_token is not None and data.index is not None:
+            raise ConfigError("data.eod_token and data.index both split token files into documents; set one")
+        if data.eod_token is not None and not 0 <= data.eod_token < data.vocab_size:
+            raise ConfigError(f"data.eod_token={data.eod_token} must be in [0, data.vocab_size={data.vocab_size})")
+        max_id = 1 << (16 if data.dtype == "uint16" else 32)
+        if data.vocab_size > max_id:
+            raise ConfigError(f"data.vocab_size={data.vocab_size} does not fit data.dtype={data.dtype} "
+                              f"(ids < {max_id}); use data.dtype=uint32")
+    elif data.eod_token is not None or data.index is not None:
+        raise ConfigError(f"data.eod_token / data.index apply to data=tokens only, not data={data.name}")
 
 
 def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:

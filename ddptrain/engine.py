@@ -176,9 +176,13 @@ class Engine:
         self.strategy.zero_grad()
         return clock.stamp(StepStats(loss=loss, tokens=tokens, grad_norm=float(grad_norm)))
 
-    def _to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> Microbatch:
+    def _to_device(self, inputs, targets: torch.Tensor) -> Microbatch:
         non_blocking = self.device.type == "cuda"
-        return inputs.to(self.device, non_blocking=non_blocking), targets.to(self.device, non_blocking=non_blocking)
+        if isinstance(inputs, dict):
+            inputs = {k: v.to(self.device, non_blocking=non_blocking) for k, v in inputs.items()}
+        else:
+            inputs = inputs.to(self.device, non_blocking=non_blocking)
+        return inputs, targets.to(self.device, non_blocking=non_blocking)
 
     def _count_tokens(self, microbatches: list[Microbatch]):
         """Start the all-reduce of this rank's valid-token count; return (tensor, wait)."""
@@ -188,14 +192,20 @@ class Engine:
         work = dist.all_reduce(local, op=dist.ReduceOp.SUM, async_op=True)
         return local, work.wait
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Logits of the wrapped model under this engine's precision, (B, T) -> (B, T, V)."""
-        if self.precision != "bf16":
-            return self.model(inputs)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            return self.model(inputs)
+    def forward(self, inputs) -> torch.Tensor:
+        """Logits of the wrapped model under this engine's precision, (B, T) -> (B, T, V).
 
-    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        `inputs` is a tensor, or a dict of tensors passed to the model as keyword arguments."""
+        if self.precision != "bf16":
+            return self._call_model(inputs)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            return self._call_model(inputs)
+
+    def _call_model(self, inputs) -> torch.Tensor:
+        # A dict of tensors (packed rows: idx, positions, segments) goes in as keyword arguments.
+        return self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
+
+    def _forward(self, inputs, targets: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(self.forward(inputs), targets)
 
     def _global_loss(self, loss_sum: torch.Tensor) -> float:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from ddptrain.data.plan import rank_share, split_micro
 from ddptrain.distributed import is_rank_zero
 from ddptrain.flops import ModelFlops
 from ddptrain.preemption import Preempted
@@ -37,17 +36,10 @@ def _clean(value):
 def global_microbatch_shapes(batches, step: int) -> list[tuple[int, int]]:
     """(rows, width) of every microbatch of every rank at optimizer step index `step`.
 
-    Computed from the global batch plan and the example lengths alone (no collective): each rank
-    takes its contiguous share and pads a microbatch to its longest example, as `collate` does.
+    Computed from the global batch plan and the example lengths alone (no collective), by the
+    same layout code that builds the microbatches (TrainBatches.global_shapes).
     """
-    global_ids = batches.plan.global_batch(step)
-    lengths = batches.examples.lengths
-    shapes = []
-    for rank in range(batches.world_size):
-        for ids in split_micro(rank_share(global_ids, rank, batches.world_size), batches.micro_batch_size):
-            if len(ids):
-                shapes.append((len(ids), int(lengths[ids].max()) - 1))
-    return shapes
+    return batches.global_shapes(step)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

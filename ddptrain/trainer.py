@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from ddptrain import checkpoint as ckpt
 from ddptrain import faults
 from ddptrain.config import TrainConfig
-from ddptrain.data import DataSplits, TrainBatches, load_stdlib
+from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.distributed import DistInfo, all_reduce_sum, is_rank_zero, Rank0Filter, barrier
 from ddptrain.engine import Engine, StepStats
@@ -54,7 +54,9 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self.data = self._build_data()
         self.train_batches = TrainBatches(self.data.train, cfg.batch.global_size, cfg.batch.micro_size,
-                                          cfg.run.seed, self.dist.rank, self.dist.world_size)
+                                          cfg.run.seed, self.dist.rank, self.dist.world_size,
+                                          micro_tokens=cfg.batch.micro_tokens, pack=cfg.batch.pack,
+                                          seq_len=cfg.batch.seq_len)
         model = GPT(GPTConfig(vocab_size=self.data.vocab_size, max_seq_len=cfg.batch.seq_len, n_layer=cfg.model.n_layer,
                               n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, dropout=cfg.model.dropout,
                               bias=cfg.model.bias))
@@ -100,7 +102,8 @@ class Trainer:
     def _build_data(self) -> DataSplits:
         cfg = self.cfg
         started = time.perf_counter()
-        data = load_stdlib(cfg.batch.seq_len, cfg.data.val_percent, cfg.data.max_docs)
+        # Local rank 0 of each node preprocesses into the shared cache; the other ranks wait for it.
+        data = load_splits(cfg.data, cfg.batch.seq_len, local_rank=self.dist.local_rank)
         log.info("data: %d train documents -> %d examples (%d valid targets), %d validation examples, %.1fs",
                  data.train.documents, len(data.train), data.train.valid_targets(), len(data.val),
                  time.perf_counter() - started)
@@ -119,9 +122,14 @@ class Trainer:
         peak = f"{window.peak_flops:.3g} FLOP/s per device" if window.peak_flops else "unknown (MFU not reported)"
         mean_targets = train.valid_targets() / len(train)
         log.info("world: %d rank(s) on %d node(s) | device: %s | peak %s", d.world_size, nodes, device, peak)
-        log.info("strategy: %s | precision %s | global batch %d sequences = micro %d x accumulation %d x world %d",
-                 cfg.strategy.name, cfg.trainer.precision, cfg.batch.global_size, cfg.batch.micro_size, accum,
-                 d.world_size)
+        if cfg.batch.micro_tokens is None and not cfg.batch.pack:
+            layout = f"micro {cfg.batch.micro_size} x accumulation {accum} x world {d.world_size}"
+        else:
+            budget = (f"microbatches of <= {cfg.batch.micro_tokens} padded tokens" if cfg.batch.micro_tokens
+                      else f"{cfg.batch.micro_size} rows per microbatch")
+            layout = f"{'packed rows of ' + str(cfg.batch.seq_len) + ' tokens, ' if cfg.batch.pack else ''}{budget}, world {d.world_size}"
+        log.info("strategy: %s | precision %s | global batch %d sequences = %s",
+                 cfg.strategy.name, cfg.trainer.precision, cfg.batch.global_size, layout)
         log.info("tokens per step: up to %d (seq_len %d), about %.0f valid targets on average",
                  cfg.batch.global_size * cfg.batch.seq_len, cfg.batch.seq_len, cfg.batch.global_size * mean_targets)
         log.info("model: %s, %d parameters (%.2fM), %d layers x %d wide, %.3g training FLOPs per token at seq_len %d",

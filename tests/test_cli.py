@@ -41,6 +41,31 @@ def test_layouts_give_the_same_loss_curve(tmp_path, precision, tolerance):
         assert math.isclose(curve[-1]["val_loss"], reference[-1]["val_loss"], rel_tol=tolerance), layout
 
 
+def test_token_budgets_and_packing_keep_the_loss_curve_through_the_cli(tmp_path):
+    base = [*TINY_RUN, "batch.global_size=8", "batch.seq_len=256", "trainer.max_steps=6", "trainer.precision=fp64"]
+    families = {
+        "unpacked": {"1x8": (1, ["batch.micro_size=8"]), "budget_2_ranks": (2, ["batch.micro_tokens=512"]),
+                     "budget_1_rank": (1, ["batch.micro_tokens=1024"])},
+        "packed": {"pack_1x8": (1, ["batch.pack=true", "batch.micro_size=8"]),
+                   "pack_2x1": (2, ["batch.pack=true", "batch.micro_size=1"]),
+                   "pack_budget_1_rank": (1, ["batch.pack=true", "batch.micro_tokens=768"])},
+    }
+    for family, runs in families.items():
+        curves = {}
+        for name, (ranks, extra) in runs.items():
+            run_dir = tmp_path / name
+            result = run_cli([*base, *extra, f"run.dir={run_dir}"], nproc=ranks)
+            assert result.returncode == 0, result.stderr[-3000:]
+            curves[name] = read_metrics(run_dir)
+        reference = next(iter(curves.values()))
+        for name, curve in curves.items():
+            assert [m["tokens"] for m in curve] == [m["tokens"] for m in reference], name
+            for mine, ref in zip(curve, reference):
+                assert math.isclose(mine["loss"], ref["loss"], rel_tol=1e-9), (family, name, mine["step"])
+        if family == "packed":
+            assert all(m["padding_efficiency"] > 0.99 for m in reference)
+
+
 def test_run_dir_is_shared_and_written_by_rank_zero_only(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli([*TINY_RUN, "trainer.max_steps=3", "batch.global_size=4", "batch.micro_size=1",
@@ -62,6 +87,8 @@ BAD_CONFIGS = [
     (["trainer.max_steps=-3"], 1, ["trainer.max_steps=-3 must be > 0"]),
     (["trainer.precision=fp16"], 1, ["trainer.precision='fp16'", "not supported yet"]),
     (["trainer.max_stepz=3"], 1, ["max_stepz"]),
+    (["batch.micro_tokens=100", "batch.seq_len=128"], 1, ["batch.micro_tokens=100 must be >= batch.seq_len=128"]),
+    (["batch.pack=true", "strategy=zero2"], 1, ["strategy=zero2 (DeepSpeed"]),
     (["batch.global_size=6", "batch.micro_size=4"], 2,
      ["batch.global_size=6 must be divisible by batch.micro_size=4 x world size 2"]),
 ]

@@ -9,8 +9,10 @@ import numpy as np
 import torch
 
 from ddptrain.data.dataset import TokenExamples
-from ddptrain.data.plan import GlobalBatchPlan, rank_share, split_micro
-from ddptrain.data.sources import is_validation, stdlib_documents
+from ddptrain.data.batches import TrainBatches
+from ddptrain.data.plan import GlobalBatchPlan
+from ddptrain.data.corpus import load_splits
+from ddptrain.data.sources import DataError, is_validation, stdlib_documents
 from ddptrain.data.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
@@ -40,27 +42,5 @@ def load_stdlib(seq_len: int, val_percent: float, max_docs: int | None = None) -
     )
 
 
-class TrainBatches:
-    """This rank's microbatches of every step, plus the global cursor for checkpoints."""
-
-    def __init__(self, examples: TokenExamples, global_batch_size: int, micro_batch_size: int,
-                 seed: int, rank: int, world_size: int):
-        self.examples = examples
-        self.plan = GlobalBatchPlan(len(examples), global_batch_size, seed)
-        self.micro_batch_size = micro_batch_size
-        self.rank = rank
-        self.world_size = world_size
-
-    def microbatch_ids(self, step: int) -> list[np.ndarray]:
-        share = rank_share(self.plan.global_batch(step), self.rank, self.world_size)
-        return split_micro(share, self.micro_batch_size)
-
-    def microbatches(self, step: int) -> list[Microbatch]:
-        return [self.examples.collate(ids) for ids in self.microbatch_ids(step)]
-
-    def state_dict(self, step: int) -> dict:
-        return {"samples_seen": self.plan.samples_seen(step), "seed": self.plan.seed,
-                "global_batch_size": self.plan.global_batch_size}
-
-
-__all__ = ["DataSplits", "TokenExamples", "GlobalBatchPlan", "TrainBatches", "load_stdlib", "ByteTokenizer"]
+__all__ = ["DataSplits", "DataError", "TokenExamples", "GlobalBatchPlan", "TrainBatches", "load_splits", "load_stdlib",
+           "ByteTokenizer"]

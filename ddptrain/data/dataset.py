@@ -28,13 +28,14 @@ class TokenExamples:
     lengths: np.ndarray  # (N,) int64, each in [2, seq_len + 1]
     documents: int
     skipped_documents: int
+    doc_ids: np.ndarray  # (N,) int64: which document of this split (0..documents-1) each example comes from
 
     def __len__(self) -> int:
         return len(self.starts)
 
     @classmethod
     def from_documents(cls, docs: Iterable[np.ndarray], seq_len: int) -> "TokenExamples":
-        pieces, starts, lengths = [], [], []
+        pieces, starts, lengths, doc_ids = [], [], [], []
         offset = documents = skipped = 0
         span = seq_len + 1
         for doc in docs:
@@ -49,11 +50,36 @@ class TokenExamples:
                     break
                 starts.append(offset + begin)
                 lengths.append(length)
+                doc_ids.append(documents - 1)
             offset += len(doc)
         if not starts:
             raise ValueError("the data source produced no example: every document was shorter than 2 tokens")
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
-        return cls(tokens, np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64), documents, skipped)
+        return cls(tokens, np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64), documents, skipped,
+                   np.asarray(doc_ids, dtype=np.int64))
+
+    @classmethod
+    def from_token_array(cls, tokens: np.ndarray, doc_starts: np.ndarray, doc_lengths: np.ndarray,
+                         seq_len: int) -> "TokenExamples":
+        """The same cut as `from_documents`, for documents given as (start, length) in a flat array.
+
+        `tokens` may be a read-only memory map of any size: nothing here touches the tokens, the
+        examples are computed from the document offsets alone (vectorised, O(examples)).
+        """
+        doc_starts = np.asarray(doc_starts, dtype=np.int64)
+        doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
+        usable = doc_lengths >= 2  # a document of one token has no (input, target) pair
+        doc_starts, doc_lengths = doc_starts[usable], doc_lengths[usable]
+        skipped = int((~usable).sum())
+        if not len(doc_starts):
+            raise ValueError("the data source produced no example: every document was shorter than 2 tokens")
+        per_doc = (doc_lengths - 2) // seq_len + 1  # pieces begin at 0, seq_len, ... < length - 1
+        doc_ids = np.repeat(np.arange(len(doc_starts), dtype=np.int64), per_doc)
+        first = np.cumsum(per_doc) - per_doc
+        begins = (np.arange(len(doc_ids), dtype=np.int64) - first[doc_ids]) * seq_len
+        starts = doc_starts[doc_ids] + begins
+        lengths = np.minimum(seq_len + 1, doc_lengths[doc_ids] - begins)
+        return cls(tokens, starts, lengths, len(doc_starts), skipped, doc_ids)
 
     def valid_targets(self) -> int:
         return int((self.lengths - 1).sum())

@@ -1,14 +1,31 @@
-"""Document sources: each yields (name, bytes) pairs in a deterministic order."""
+"""Document sources: each yields (name, payload) pairs in a deterministic order.
+
+The name is what the train/validation split hashes (a file name, file:line, a document index)
+and what an error message points at. Payloads are bytes (the tokenizer decides how to read
+them) or str (JSONL and Hugging Face fields are text already).
+"""
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import re
 import sysconfig
 import zlib
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
 # Test suites and vendored tools are skipped: they hold megabytes of generated or binary-ish data.
 _SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_BLANK_LINES = re.compile(rb"\n[ \t\r\f\v]*\n")
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file (and line) and the rule."""
 
 
 def stdlib_root() -> Path:
@@ -30,3 +47,162 @@ def stdlib_documents(max_docs: int | None = None) -> Iterator[tuple[str, bytes]]
 def is_validation(name: str, val_percent: float) -> bool:
     """Deterministic split by a hash of the document's name: the same on every machine and rank."""
     return (zlib.crc32(name.encode("utf-8")) % 10_000) < val_percent * 100
+
+
+def expand_paths(patterns: list[str], key: str = "data.paths", allow_dirs: bool = False) -> list[Path]:
+    """Files named by `patterns` (paths or globs, `**` recursive), each glob sorted, in the given order."""
+    files: list[Path] = []
+    for pattern in patterns:
+        pattern = os.path.expanduser(str(pattern))
+        if _GLOB_CHARS.search(pattern):
+            matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
+            matches = [p for p in matches if allow_dirs or not p.is_dir()]
+            if not matches:
+                raise DataError(f"{key}: the glob {pattern!r} matches no file")
+            files.extend(matches)
+        else:
+            path = Path(pattern)
+            if not path.exists():
+                raise DataError(f"{key}: {pattern!r} does not exist")
+            if path.is_dir() and not allow_dirs:
+                raise DataError(f"{key}: {pattern!r} is a directory; name its files or a glob like '{pattern}/**/*.txt'")
+            files.append(path)
+    seen: set[Path] = set()
+    return [p for p in files if not (p in seen or seen.add(p))]  # first occurrence wins
+
+
+def read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: the file vanished after it was listed (deleted or moved during preprocessing)") from None
+
+
+def text_documents(files: list[Path], split_by: str = "file") -> Iterator[tuple[str, bytes, int]]:
+    """(name, bytes, bytes read): one document per file, or per blank-line-separated paragraph."""
+    for path in files:
+        data = read_bytes(path)
+        if split_by == "paragraph":
+            pieces = [p.strip() for p in _BLANK_LINES.split(data)]
+            pieces = [p for p in pieces if p]
+            for index, piece in enumerate(pieces):
+                yield f"{path}#{index}", piece, len(data) if index == len(pieces) - 1 else 0
+            if not pieces:
+                yield str(path), b"", len(data)
+        else:
+            yield str(path), data, len(data)
+
+
+def jsonl_documents(files: list[Path], field: str, on_decode_error: str = "replace") -> Iterator[tuple[str, str, int]]:
+    """(file:line, text, bytes read): one document per non-blank line, the string at `field`."""
+    for path in files:
+        try:
+            handle = path.open("rb")
+        except FileNotFoundError:
+            raise DataError(f"{path}: the file vanished after it was listed (deleted or moved during preprocessing)") from None
+        with handle:
+            for number, raw in enumerate(handle, start=1):
+                name = f"{path}:{number}"
+                if not raw.strip():
+                    yield name, "", len(raw)  # counted as a too-short document
+                    continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    if on_decode_error == "error":
+                        raise DataError(f"{name}: bytes that are not UTF-8 at column {error.start + 1} "
+                                        "(data.on_decode_error=error; 'replace' substitutes U+FFFD)") from None
+                    line = raw.decode("utf-8", errors="replace")
+                try:
+                    record = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as error:
+                    raise DataError(f"{name}: invalid JSON: {error.msg} (column {error.colno})") from None
+                if not isinstance(record, dict) or field not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{name}: no field {field!r} (data.field); the line has {keys}")
+                value = record[field]
+                if not isinstance(value, str):
+                    raise DataError(f"{name}: field {field!r} is {type(value).__name__}, not a string")
+                yield name, value, len(raw)
+
+
+def token_file(path: Path, dtype: str) -> np.ndarray:
+    """A flat token file as nanoGPT writes it (`arr.tofile`), memory-mapped read-only."""
+    itemsize = np.dtype(dtype).itemsize
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"{path}: the file vanished after it was listed (deleted or moved during preprocessing)") from None
+    if size % itemsize:
+        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens (data.dtype={dtype})")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def token_documents(tokens: np.ndarray, path: Path, eod_token: int | None, index: Path | None,
+                    chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the documents of one token file.
+
+    With `eod_token`, a document ends with (and includes) each end-of-document token, as nanoGPT's
+    prepare scripts append one per document; with `index`, a .npy of document start offsets (or
+    of boundaries ending with the file's length); with neither, the whole file is one document.
+    """
+    total = len(tokens)
+    if index is not None:
+        try:
+            offsets = np.load(index).astype(np.int64).ravel()
+        except FileNotFoundError:
+            raise DataError(f"data.index: {index} does not exist") from None
+        except ValueError as error:
+            raise DataError(f"data.index: {index} is not a .npy array of offsets ({error})") from None
+        if len(offsets) and offsets[-1] == total:
+            offsets = offsets[:-1]
+        if len(offsets) == 0 or offsets[0] != 0 or (np.diff(offsets) <= 0).any() or offsets[-1] >= total:
+            raise DataError(f"data.index: {index} must hold increasing document starts from 0 below the "
+                            f"{total} tokens of {path}")
+        starts = offsets
+    elif eod_token is not None:
+        ends = [np.flatnonzero(tokens[at : at + chunk] == eod_token) + at + 1 for at in range(0, total, chunk)]
+        ends = np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
+        starts = np.concatenate([[0], ends[ends < total]]).astype(np.int64)
+    else:
+        starts = np.zeros(1, dtype=np.int64)
+    if total == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    lengths = np.diff(np.append(starts, total))
+    return starts, lengths
+
+
+def hf_documents(paths: list[Path], field: str, split: str, cache_dir: Path) -> Iterator[tuple[str, str, int]]:
+    """Rows of a local Hugging Face `datasets` dataset: data files, or a `save_to_disk` directory."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only, never the Hub
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("data=hf needs the optional extra: pip install 'ddptrain[hf]' (datasets)") from None
+    if len(paths) == 1 and paths[0].is_dir():
+        dataset = datasets.load_from_disk(str(paths[0]))
+        if isinstance(dataset, datasets.DatasetDict):
+            if split not in dataset:
+                raise DataError(f"{paths[0]}: the saved dataset has splits {sorted(dataset)}, not {split!r}")
+            dataset = dataset[split]
+        where = str(paths[0])
+    else:
+        builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+        kinds = {builders.get("".join(p.suffixes[-1:]).lower()) for p in paths}
+        if None in kinds or len(kinds) != 1:
+            raise DataError(f"data=hf: {[str(p) for p in paths]} must all be .json/.jsonl, .csv, .parquet or .txt "
+                            "files (or one save_to_disk directory)")
+        dataset = datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in paths], split="train",
+                                        cache_dir=str(cache_dir))
+        where = str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
+    if field not in dataset.column_names:
+        raise DataError(f"{where}: no column {field!r} (data.field); the dataset has {dataset.column_names}")
+    row = 0
+    for batch in dataset.select_columns([field]).iter(batch_size=1024):
+        for value in batch[field]:
+            if not isinstance(value, str):
+                raise DataError(f"{where}: row {row}: column {field!r} is {type(value).__name__}, not a string")
+            yield f"{where}#{row}", value, 1
+            row += 1

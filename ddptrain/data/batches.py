@@ -1,0 +1,98 @@
+"""This rank's microbatches of every step: fixed-size, token-budget, and packed.
+
+Every layout starts from the same global batch of the step (GlobalBatchPlan) and only decides
+which rank and which microbatch computes each example, so the global objective, and the loss
+curve, do not depend on the layout.
+
+- micro_size (default): rank r takes a contiguous share of the global batch, cut into microbatches
+  of `micro_size` sequences, each padded to its longest sequence.
+- micro_tokens: the global batch is split so that ranks get nearly equal token counts (longest
+  first, each to the rank with the fewest tokens so far); each share is sorted by length and cut
+  into microbatches of at most `micro_tokens` padded tokens (rows x longest), so sequences of
+  similar length share a microbatch and little is padding. Ranks may run different numbers of
+  microbatches: DDP and zero1 handle that exactly; zero2/zero3 refuse it clearly.
+- pack: the examples are rows of seq_len tokens cut from all documents laid end to end
+  (ddptrain/data/packing.py); documents keep their own positions and attention segments. Either
+  of the layouts above then applies to these rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddptrain.data.dataset import TokenExamples
+from ddptrain.data.packing import PackedExamples
+from ddptrain.data.plan import GlobalBatchPlan, rank_share, split_micro
+
+
+def balanced_shares(ids: np.ndarray, tokens: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """Split `ids` over ranks with nearly equal token sums (LPT greedy; deterministic ties)."""
+    order = np.lexsort((np.arange(len(ids)), -tokens))  # longest first, then by position
+    loads = np.zeros(world_size, dtype=np.int64)
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for index in order:
+        rank = int(np.argmin(loads))  # the first of the least loaded ranks
+        shares[rank].append(int(ids[index]))
+        loads[rank] += tokens[index]
+    return [np.asarray(share, dtype=np.int64) for share in shares]
+
+
+def budget_microbatches(ids: np.ndarray, tokens: np.ndarray, micro_tokens: int) -> list[np.ndarray]:
+    """Longest first, grouped while (examples x longest example) <= micro_tokens padded tokens."""
+    order = np.lexsort((np.arange(len(ids)), -tokens))
+    micro: list[list[int]] = []
+    longest = 0
+    for index in order:
+        if micro and (len(micro[-1]) + 1) * longest <= micro_tokens:
+            micro[-1].append(int(ids[index]))  # sorted: this one is no longer than the first
+        else:
+            micro.append([int(ids[index])])
+            longest = int(tokens[index])
+    return [np.asarray(group, dtype=np.int64) for group in micro]
+
+
+class TrainBatches:
+    """This rank's microbatches of every step, plus the global cursor for checkpoints."""
+
+    def __init__(self, examples: TokenExamples, global_batch_size: int, micro_batch_size: int,
+                 seed: int, rank: int, world_size: int, micro_tokens: int | None = None,
+                 pack: bool = False, seq_len: int | None = None):
+        if pack:
+            if seq_len is None:
+                raise ValueError("packing needs seq_len, the length of a packed row")
+            examples = PackedExamples.from_examples(examples, seq_len)
+        self.examples = examples
+        self.plan = GlobalBatchPlan(len(examples), global_batch_size, seed)
+        self.micro_batch_size = micro_batch_size
+        self.micro_tokens = micro_tokens
+        self.pack = pack
+        self.seq_len = seq_len
+        self.rank = rank
+        self.world_size = world_size
+        self._targets = examples.lengths - 1  # input/target pairs of each example
+
+    # -- layout --------------------------------------------------------------------------------
+
+    def rank_microbatches(self, step: int, rank: int) -> list[np.ndarray]:
+        """Example ids of each microbatch of `rank` at `step`."""
+        global_ids = self.plan.global_batch(step)
+        if self.micro_tokens is None:
+            return split_micro(rank_share(global_ids, rank, self.world_size), self.micro_batch_size)
+        share = balanced_shares(global_ids, self._targets[global_ids], self.world_size)[rank]
+        return budget_microbatches(share, self._targets[share], self.micro_tokens)
+
+    def microbatch_ids(self, step: int) -> list[np.ndarray]:
+        """Example ids of each of this rank's microbatches."""
+        return self.rank_microbatches(step, self.rank)
+
+    def global_shapes(self, step: int) -> list[tuple[int, int]]:
+        """(rows, padded width) of every microbatch of every rank: what the devices compute."""
+        return [(len(ids), int(self._targets[ids].max())) for rank in range(self.world_size)
+                for ids in self.rank_microbatches(step, rank)]
+
+    def microbatches(self, step: int) -> list:
+        return [self.examples.collate(ids) for ids in self.microbatch_ids(step)]
+
+    def state_dict(self, step: int) -> dict:
+        return {"samples_seen": self.plan.samples_seen(step), "seed": self.plan.seed,
+                "global_batch_size": self.plan.global_batch_size}

@@ -1,0 +1,197 @@
+"""The preprocessing cache: token arrays built once per (source, tokenizer, settings), memory-mapped.
+
+An entry is a directory `<cache_dir>/<key>/` with, per split, `<split>.tokens.npy` (the flat
+tokens; absent when the split reads a single pre-tokenized source file in place) and
+`<split>.docs.npy` ((D, 2) int64: start and length of every document), plus `meta.json`,
+written last. The key is a SHA-256 of the fingerprint: every source file's resolved path, size
+and modification time (sizes and mtimes only: hashing the content would cost as much as
+tokenizing it), the tokenizer (for a tokenizer.json, a hash of its content) and every setting
+that changes the arrays.
+
+One process per node builds (local rank 0) while the others poll for the finished entry, not
+in a barrier: a long build would outlast the process group's timeout. The build writes into a
+temporary directory and renames it into place, so a reader never sees half an entry and two
+nodes building the same entry on a shared filesystem cannot corrupt it. A failed build leaves a
+marker with its message, so the waiting ranks fail with the same message instead of waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ddptrain.data.sources import DataError
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+_META = "meta.json"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddptrain"
+
+
+def file_stamp(path: Path) -> list:
+    """[resolved path, size, mtime in ns]: what the fingerprint knows of a source file."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise DataError(f"{path}: the file vanished after it was listed (deleted or moved)") from None
+    if path.is_dir():  # a saved Hugging Face dataset: every file inside counts
+        return [os.path.abspath(path), [file_stamp(p) for p in sorted(path.rglob("*")) if p.is_file()]]
+    return [os.path.abspath(path), stat.st_size, stat.st_mtime_ns]
+
+
+def cache_key(fingerprint: dict) -> str:
+    text = json.dumps({"version": CACHE_VERSION, **fingerprint}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+
+
+def _run_id() -> str:
+    # torchrun gives every launch its own id (a uuid with --standalone); a failure marker of an
+    # earlier launch must not fail this one.
+    return os.environ.get("TORCHELASTIC_RUN_ID", "single")
+
+
+def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_builder: bool,
+                  poll_s: float = 0.5) -> tuple[Path, dict, bool]:
+    """(entry dir, its meta, whether this call built it). `build(tmp_dir)` writes the arrays and returns meta."""
+    entry = cache_dir / key
+    failed = cache_dir / f"{key}.failed-{_run_id()}"
+    if (entry / _META).is_file():
+        return entry, _read_meta(entry), False
+    if not is_builder:
+        return entry, _wait_for(entry, failed, poll_s), False
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        meta = build(tmp)
+        (tmp / _META).write_text(json.dumps(meta, indent=1))
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another node built the same entry first: keep theirs, identical by construction
+            if not (entry / _META).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+        failed.unlink(missing_ok=True)
+        return entry, _read_meta(entry), True
+    except BaseException as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            failed.write_text(f"{type(error).__name__}: {error}")
+            if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+                # torchrun stops every rank as soon as one exits: say it now, then give the
+                # waiting ranks a few polls to read the marker and report the same error.
+                log.error("preprocessing failed: %s", error)
+                time.sleep(4 * poll_s)
+        except OSError:
+            pass
+        raise
+
+
+def _wait_for(entry: Path, failed: Path, poll_s: float) -> dict:
+    started = last_note = time.monotonic()
+    while not (entry / _META).is_file():
+        if failed.is_file():
+            raise DataError(f"preprocessing failed on the building rank: {failed.read_text()}")
+        if time.monotonic() - last_note > 60:
+            last_note = time.monotonic()
+            log.info("waiting for local rank 0 to preprocess the data into %s (%.0fs so far)", entry,
+                     last_note - started)
+        time.sleep(poll_s)
+    return _read_meta(entry)
+
+
+def _read_meta(entry: Path) -> dict:
+    return json.loads((entry / _META).read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    for child in path.iterdir():
+        with open(child, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+class TokenWriter:
+    """Appends token arrays to a .npy file without holding them in memory.
+
+    The .npy header is written for the final shape when the writer closes; it is padded to a
+    fixed 128 bytes up front, which any shape of a 1-D array fits.
+    """
+
+    HEADER = 128
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.path, self.dtype, self.count = path, np.dtype(dtype), 0
+        self._file = open(path, "wb")
+        self._file.write(b"\0" * self.HEADER)
+
+    def append(self, tokens: np.ndarray) -> int:
+        """Write `tokens`; return the offset (in tokens) where they start."""
+        offset = self.count
+        self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self.count += len(tokens)
+        return offset
+
+    def close(self) -> None:
+        header = "{'descr': %r, 'fortran_order': False, 'shape': (%d,), }" % (self.dtype.str, self.count)
+        header = header.ljust(self.HEADER - 10 - 1) + "\n"
+        self._file.seek(0)
+        self._file.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode("latin1"))
+        self._file.close()
+
+
+def open_tokens(entry: Path, split_meta: dict) -> np.ndarray:
+    """A split's token array, memory-mapped read-only (the cache's .npy, or the source file in place)."""
+    source = split_meta["tokens"]
+    if "npy" in source:
+        return np.load(entry / source["npy"], mmap_mode="r")
+    path = Path(source["file"])
+    if not path.is_file():
+        raise DataError(f"{path}: the token file vanished after preprocessing")
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=source["dtype"])
+    return np.memmap(path, dtype=source["dtype"], mode="r")
+
+
+class BuildProgress:
+    """tqdm on a terminal (when installed), else a log line every `every_s` seconds."""
+
+    def __init__(self, total: int, unit: str, description: str, every_s: float = 10.0):
+        self.total, self.unit, self.description, self.every_s = total, unit, description, every_s
+        self.done = 0
+        self._started = self._last = time.monotonic()
+        self._bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self._bar = tqdm(total=total, unit=unit, unit_scale=True, desc=description, leave=False)
+            except ImportError:
+                pass
+
+    def update(self, amount: int) -> None:
+        self.done += amount
+        if self._bar is not None:
+            self._bar.update(amount)
+        elif time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            percent = 100.0 * self.done / self.total if self.total else 100.0
+            log.info("%s: %.1f%% (%d / %d %s, %.0fs)", self.description, percent, self.done, self.total, self.unit,
+                     self._last - self._started)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

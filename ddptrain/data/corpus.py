@@ -1,0 +1,254 @@
+"""Real corpora: text, JSONL, pre-tokenized token files and Hugging Face datasets, preprocessed once.
+
+`load_splits` expands the configured paths, fingerprints them, lets local rank 0 tokenize them
+into the cache (`cache.py`) while the other ranks wait, then memory-maps the entry and cuts the
+documents into examples. Bad input is a `DataError` naming the file (and line) at build time,
+or a counted, logged skip (documents shorter than 2 tokens, undecodable bytes replaced).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cache_key, default_cache_dir,
+                                 file_stamp, open_tokens)
+from ddptrain.data.dataset import TokenExamples
+from ddptrain.data.sources import (DataError, expand_paths, hf_documents, is_validation, jsonl_documents,
+                                   text_documents, token_documents, token_file)
+from ddptrain.data.tokenizer import ByteTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+_ENCODE_BATCH = 256  # documents per tokenizer call (HF tokenizers encode a batch in parallel)
+_CHUNK = 1 << 24  # tokens per pass over a token file (bounded memory for any file size)
+
+
+def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
+    """DataSplits of a `text | jsonl | tokens | hf` source (see DataConfig), through the cache."""
+    from ddptrain.data import DataSplits, load_stdlib
+
+    if data_cfg.name == "stdlib":
+        return load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs)
+    tokenizer = ByteTokenizer() if data_cfg.name == "tokens" else load_tokenizer(data_cfg.tokenizer)
+    allow_dirs = data_cfg.name == "hf"
+    train_files = expand_paths(list(data_cfg.paths), "data.paths", allow_dirs)
+    val_files = expand_paths(list(data_cfg.val_paths), "data.val_paths", allow_dirs) if data_cfg.val_paths else []
+    index = Path(os.path.expanduser(data_cfg.index)) if data_cfg.index else None
+    cache_dir = Path(os.path.expanduser(data_cfg.cache_dir)) if data_cfg.cache_dir else default_cache_dir()
+    fingerprint = {
+        "source": data_cfg.name, "train": [file_stamp(p) for p in train_files],
+        "val": [file_stamp(p) for p in val_files], "tokenizer": tokenizer.fingerprint(),
+        "val_percent": None if val_files else data_cfg.val_percent, "max_docs": data_cfg.max_docs,
+        "split_by": data_cfg.split_by, "field": data_cfg.field, "on_decode_error": data_cfg.on_decode_error,
+        "dtype": data_cfg.dtype, "eod_token": data_cfg.eod_token, "index": file_stamp(index) if index else None,
+    }
+    key = cache_key(fingerprint)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def build(tmp: Path) -> dict:
+        if data_cfg.name == "tokens":
+            meta = _build_token_files(tmp, data_cfg, train_files, val_files, index)
+        else:
+            meta = _build_documents(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf")
+        return {"fingerprint": fingerprint, **meta}
+
+    started = time.perf_counter()
+    entry, meta, built = build_or_wait(cache_dir, key, build, is_builder=local_rank == 0)
+    vocab_size = _vocab_size(data_cfg, tokenizer, meta)
+    splits = {}
+    for split in ("train", "val"):
+        docs = np.load(entry / f"{split}.docs.npy")
+        splits[split] = TokenExamples.from_token_array(open_tokens(entry, meta[split]), docs[:, 0], docs[:, 1], seq_len)
+    log.info("data: %s cache entry %s in %.2fs (%s, %d train + %d validation documents, vocabulary %d)",
+             "built" if built else "reused", entry, time.perf_counter() - started, data_cfg.name,
+             splits["train"].documents, splits["val"].documents, vocab_size)
+    if meta["short_documents"]:
+        log.warning("data: skipped %d document(s) shorter than 2 tokens (no input/target pair), e.g. %s",
+                    meta["short_documents"], meta["short_example"])
+    if meta.get("replaced_documents"):
+        log.warning("data: %d document(s) had bytes that are not UTF-8, replaced by U+FFFD "
+                    "(data.on_decode_error=replace), e.g. %s", meta["replaced_documents"], meta["replaced_example"])
+    return DataSplits(splits["train"], splits["val"], vocab_size)
+
+
+def _vocab_size(data_cfg: Any, tokenizer, meta: dict) -> int:
+    if data_cfg.name == "tokens":
+        vocab_size = int(data_cfg.vocab_size)
+        for path, max_id, position in meta["max_ids"]:  # checked on every load: vocab_size is not in the key
+            if max_id >= vocab_size:
+                raise DataError(f"{path}: token id {max_id} (at position {position}) is >= data.vocab_size={vocab_size}, "
+                                "the model's vocabulary; raise data.vocab_size or check data.dtype")
+        return vocab_size
+    if data_cfg.vocab_size is not None and data_cfg.vocab_size < tokenizer.vocab_size:
+        raise DataError(f"data.vocab_size={data_cfg.vocab_size} is smaller than the vocabulary of the tokenizer "
+                        f"{tokenizer.name} ({tokenizer.vocab_size} ids)")
+    return int(data_cfg.vocab_size or tokenizer.vocab_size)
+
+
+def _assign_splits(names: list[str], docs: np.ndarray, is_val: np.ndarray, has_val_files: bool) -> dict:
+    """(D, 2) documents per split; an empty corpus or an empty validation split is a clear error."""
+    train, val = docs[~is_val], docs[is_val]
+    if not len(train) and not len(val):
+        raise DataError("the corpus is empty: no document of at least 2 tokens in data.paths")
+    if not len(val):
+        if has_val_files:
+            raise DataError("data.val_paths produced no document of at least 2 tokens")
+        train, val = train[:-1], train[-1:]  # tiny corpora still get a validation set
+        log.info("data: no document hashed into the validation split; using the last one (%s)", names[-1])
+    if not len(train):
+        raise DataError(f"the corpus has only {len(val)} usable document(s), all in the validation split; "
+                        "add data or lower data.val_percent")
+    return {"train": train, "val": val}
+
+
+def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path], val_files: list[Path],
+                     hf_cache: Path) -> dict:
+    """Tokenize text / JSONL / HF documents into one tokens.npy and per-split document offsets."""
+    vocab = tokenizer.vocab_size
+    dtype = np.uint8 if vocab <= 1 << 8 else np.uint16 if vocab <= 1 << 16 else np.uint32
+    writer = TokenWriter(tmp / "tokens.npy", dtype)
+    names, docs, is_val = [], [], []
+    stats = {"short_documents": 0, "short_example": None, "replaced_documents": 0, "replaced_example": None}
+    total = sum(p.stat().st_size for p in [*train_files, *val_files] if p.is_file())
+    progress = BuildProgress(total, "B", f"preprocessing {data_cfg.name} with tokenizer {tokenizer.name}")
+    try:
+        batch: list[tuple[str, Any, bool]] = []
+        for name, payload, validation in _documents(data_cfg, train_files, val_files, hf_cache, progress):
+            batch.append((name, _as_input(tokenizer, name, payload, data_cfg.on_decode_error, stats), validation))
+            if len(batch) == _ENCODE_BATCH:
+                _write_batch(tokenizer, writer, batch, names, docs, is_val, stats)
+                batch = []
+        _write_batch(tokenizer, writer, batch, names, docs, is_val, stats)
+    finally:
+        writer.close()
+        progress.close()
+    docs_array = np.asarray(docs, dtype=np.int64).reshape(-1, 2)
+    splits = _assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files))
+    for split, array in splits.items():
+        np.save(tmp / f"{split}.docs.npy", array)
+    ref = {"tokens": {"npy": "tokens.npy"}}
+    return {"train": ref, "val": ref, "tokens": writer.count, **stats}
+
+
+def _documents(data_cfg, train_files, val_files, hf_cache, progress) -> Iterator[tuple[str, Any, bool]]:
+    """(name, payload, is validation) of every document, up to data.max_docs."""
+    groups = [(train_files, None), (val_files, True)] if val_files else [(train_files, None)]
+    count = 0
+    for files, validation in groups:
+        if data_cfg.name == "text":
+            stream = text_documents(files, data_cfg.split_by)
+        elif data_cfg.name == "jsonl":
+            stream = jsonl_documents(files, data_cfg.field, data_cfg.on_decode_error)
+        else:
+            stream = hf_documents(files, data_cfg.field, "validation" if validation else "train", hf_cache)
+        for name, payload, read in stream:
+            if data_cfg.max_docs is not None and count >= data_cfg.max_docs:
+                return
+            progress.update(read)
+            count += 1
+            yield name, payload, bool(validation) if validation else (
+                not val_files and is_validation(name, data_cfg.val_percent))
+
+
+def _as_input(tokenizer, name: str, payload, on_decode_error: str, stats: dict):
+    """What the tokenizer takes: bytes for the byte tokenizer, text (decoded by the policy) otherwise."""
+    if not tokenizer.needs_text or isinstance(payload, str):
+        return payload
+    try:
+        return payload.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if on_decode_error == "error":
+            raise DataError(f"{name}: bytes that are not UTF-8 at byte {error.start} "
+                            "(data.on_decode_error=error; 'replace' substitutes U+FFFD)") from None
+        stats["replaced_documents"] += 1
+        stats["replaced_example"] = stats["replaced_example"] or name
+        return payload.decode("utf-8", errors="replace")
+
+
+def _write_batch(tokenizer, writer: TokenWriter, batch, names, docs, is_val, stats) -> None:
+    if not batch:
+        return
+    for (name, _, validation), ids in zip(batch, tokenizer.encode_batch([b[1] for b in batch])):
+        if len(ids) < 2:
+            stats["short_documents"] += 1
+            stats["short_example"] = stats["short_example"] or name
+            continue
+        docs.append((writer.append(ids), len(ids)))
+        names.append(name)
+        is_val.append(validation)
+
+
+def _build_token_files(tmp: Path, data_cfg: Any, train_files: list[Path], val_files: list[Path],
+                       index: Path | None) -> dict:
+    """Document offsets of pre-tokenized files; the tokens stay in place when a split has one file."""
+    if index is not None and len(train_files) != 1:
+        raise DataError(f"data.index describes one token file, but data.paths names {len(train_files)}")
+    groups = {"train": train_files, "val": val_files} if val_files else {"all": train_files}
+    total = sum(p.stat().st_size for files in groups.values() for p in files) // np.dtype(data_cfg.dtype).itemsize
+    progress = BuildProgress(total, "tok", f"indexing token files ({data_cfg.dtype})")
+    meta: dict = {"max_ids": [], "short_documents": 0, "short_example": None}
+    per_group = {}
+    try:
+        for group, files in groups.items():
+            starts, lengths, offset = [], [], 0
+            writer = TokenWriter(tmp / f"{group}.tokens.npy", data_cfg.dtype) if len(files) > 1 else None
+            for path in files:
+                tokens = token_file(path, data_cfg.dtype)
+                file_index = index if group != "val" else None
+                s, n = token_documents(tokens, path, data_cfg.eod_token, file_index, _CHUNK)
+                starts.append(s + offset)
+                lengths.append(n)
+                offset += len(tokens)
+                max_id, position = 0, 0
+                for at in range(0, len(tokens), _CHUNK):
+                    chunk = np.asarray(tokens[at : at + _CHUNK])
+                    if writer is not None:
+                        writer.append(chunk)
+                    where = int(chunk.argmax())
+                    if chunk[where] > max_id or at == 0:
+                        max_id, position = int(chunk[where]), at + where
+                    progress.update(len(chunk))
+                meta["max_ids"].append([str(path), max_id, position])
+            if writer is not None:
+                writer.close()
+                ref = {"npy": f"{group}.tokens.npy"}
+            else:
+                ref = {"file": str(files[0].resolve()), "dtype": data_cfg.dtype}
+            per_group[group] = (ref, np.concatenate(starts), np.concatenate(lengths))
+    finally:
+        progress.close()
+    docs, names, is_val, refs = [], [], [], {}
+    for group, (ref, starts, lengths) in per_group.items():
+        refs[group] = ref
+        kept = np.flatnonzero(lengths >= 2)
+        short = np.flatnonzero(lengths < 2)
+        if data_cfg.max_docs is not None:
+            kept = kept[kept < data_cfg.max_docs]
+            short = short[short < data_cfg.max_docs]
+        meta["short_documents"] += len(short)
+        if len(short) and meta["short_example"] is None:
+            meta["short_example"] = f"document {int(short[0])} of {[str(p) for p in groups[group]]}"
+        docs.append(np.stack([starts[kept], lengths[kept]], axis=1))
+        names.extend(str(i) for i in kept)
+        is_val.append(np.full(len(kept), group == "val") if group != "all" else
+                      np.fromiter((is_validation(str(i), data_cfg.val_percent) for i in kept), bool, len(kept)))
+    if "all" in refs:
+        refs = {"train": refs["all"], "val": refs["all"]}
+        splits = _assign_splits(names, docs[0], is_val[0], False)
+    else:
+        train, val = docs
+        if not len(train):
+            raise DataError("the corpus is empty: no document of at least 2 tokens in data.paths")
+        if not len(val):
+            raise DataError("data.val_paths produced no document of at least 2 tokens")
+        splits = {"train": train, "val": val}
+    for split, array in splits.items():
+        np.save(tmp / f"{split}.docs.npy", array)
+    return {"train": {"tokens": refs["train"]}, "val": {"tokens": refs["val"]}, **meta}

@@ -1,0 +1,84 @@
+"""Packing: rows of exactly seq_len + 1 tokens cut from the stream of all documents.
+
+With `batch.pack=true` the examples ARE these rows: documents are laid end to end and the stream
+is cut every seq_len tokens, so every row but the corpus's last is full and almost nothing is
+padding. Inside a row each document gets its own segment id and positions that restart at 0,
+and the model attends only within a segment: no token sees another document. A target that
+would be the first token of the next document is ignored (-100), so a document of L tokens
+still contributes L - 1 targets, wherever the cuts fall. A document cut by a row boundary
+continues in the next row without the context before the cut (as in every packed trainer).
+
+Because the rows depend only on the data and seq_len, any (world size x micro size/tokens)
+layout of packed rows sees the same examples: the layout invariance holds within packing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ddptrain.data.dataset import TokenExamples
+from ddptrain.objective import IGNORE_INDEX
+
+
+@dataclass
+class PackedExamples:
+    """Rows of a packed token stream; `starts`/`lengths` play the role of TokenExamples' fields."""
+
+    tokens: np.ndarray  # the stream: every document once, end to end
+    doc_starts: np.ndarray  # (D,) offset of each document in the stream, increasing
+    starts: np.ndarray  # (N,) row starts (multiples of seq_len)
+    lengths: np.ndarray  # (N,) seq_len + 1, except the last row
+    documents: int
+    skipped_documents: int
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @classmethod
+    def from_examples(cls, examples: TokenExamples, seq_len: int) -> "PackedExamples":
+        """Re-lay the documents behind `examples` (pieces overlapping by one token) as a stream."""
+        order = np.argsort(examples.doc_ids, kind="stable")
+        doc_ids = examples.doc_ids[order]
+        first = np.flatnonzero(np.r_[True, doc_ids[1:] != doc_ids[:-1]])
+        last = np.r_[first[1:] - 1, len(order) - 1]
+        begins = examples.starts[order[first]]
+        ends = examples.starts[order[last]] + examples.lengths[order[last]]
+        tokens = np.concatenate([examples.tokens[b:e] for b, e in zip(begins, ends)])
+        doc_starts = np.concatenate([[0], np.cumsum(ends - begins)[:-1]]).astype(np.int64)
+        starts = np.arange(0, len(tokens) - 1, seq_len, dtype=np.int64)
+        lengths = np.minimum(seq_len + 1, len(tokens) - starts)
+        return cls(tokens, doc_starts, starts, lengths, len(begins), examples.skipped_documents)
+
+    def _row(self, index: int):
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        span = np.arange(start, start + length)
+        doc = np.searchsorted(self.doc_starts, span, side="right") - 1  # document of each token
+        inputs, targets = self.tokens[span[:-1]], self.tokens[span[1:]].astype(np.int64)
+        targets[doc[1:] != doc[:-1]] = IGNORE_INDEX  # never predict the next document's first token
+        segments = doc[:-1] - doc[0]
+        positions = span[:-1] - np.maximum(self.doc_starts[doc[:-1]], start)
+        return inputs, targets, positions, segments
+
+    def valid_targets(self) -> int:
+        # Rows overlap by one token: len(tokens) - 1 pairs, minus one per document boundary.
+        return len(self.tokens) - self.documents
+
+    def collate(self, indices: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """({"idx", "positions", "segments"}, targets), each (B, T) with T the longest row."""
+        width = int(self.lengths[indices].max()) - 1
+        shape = (len(indices), width)
+        inputs = np.zeros(shape, dtype=np.int64)
+        targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros(shape, dtype=np.int64)
+        segments = np.full(shape, -1, dtype=np.int64)  # padding: a segment of its own
+        for row, index in enumerate(indices):
+            row_inputs, row_targets, row_positions, row_segments = self._row(int(index))
+            used = len(row_inputs)
+            inputs[row, :used], targets[row, :used] = row_inputs, row_targets
+            positions[row, :used], segments[row, :used] = row_positions, row_segments
+        batch = {"idx": torch.from_numpy(inputs), "positions": torch.from_numpy(positions),
+                 "segments": torch.from_numpy(segments)}
+        return batch, torch.from_numpy(targets)
