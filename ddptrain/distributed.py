@@ -84,12 +84,31 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     backend = backend_for(device)
     wants_group = env_world_size() > 1 or "MASTER_ADDR" in os.environ
     if wants_group and not is_distributed():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            **_restart_safe_store(timeout),
         )
     return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
+
+
+def _restart_safe_store(timeout: datetime.timedelta) -> dict:
+    """Under a torchrun restart, a store whose keys are private to this attempt.
+
+    torchrun's agent keeps one TCPStore across worker restarts (TORCHELASTIC_USE_AGENT_STORE),
+    so a restarted group could read the dead attempt's gloo addresses and wait on them until the
+    timeout (seen here after `--max-restarts=1`). Prefixing the keys with the restart count gives
+    every attempt a clean rendezvous. Outside torchrun restarts: the default env:// init.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    return {"store": dist.PrefixStore(f"ddptrain/attempt_{restart}", client),
+            "rank": env_rank(), "world_size": env_world_size()}
 
 
 def destroy_distributed() -> None:

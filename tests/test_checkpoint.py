@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 # Constant LR so that a run of N steps and the first N steps of a longer run are the same run.
 RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2", "optim.schedule=constant",
-       "trainer.eval_examples=4"]
+       "trainer.eval_examples=4", "dist.timeout_s=60"]
 
 
 def final_weights(run_dir, step: int) -> dict[str, torch.Tensor]:
@@ -43,7 +43,7 @@ def train(run_dir, *overrides, nproc=2, env=None, torchrun_args=(), check=True):
     if torchrun_args:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *torchrun_args, "-m", "ddptrain", *args]
-        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     else:
         result = run_cli(args, nproc=nproc, env=env)
