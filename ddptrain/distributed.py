@@ -123,12 +123,12 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_ranks_agree(flag: bool, device: torch.device) -> bool:
-    """True on every rank when `flag` is true on every rank (one tiny MIN all-reduce)."""
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on some rank (one tiny MAX all-reduce)."""
     if not is_distributed():
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 

@@ -33,15 +33,6 @@ def _clean(value):
 # -- throughput -------------------------------------------------------------------------------
 
 
-def global_microbatch_shapes(batches, step: int) -> list[tuple[int, int]]:
-    """(rows, width) of every microbatch of every rank at optimizer step index `step`.
-
-    Computed from the global batch plan and the example lengths alone (no collective), by the
-    same layout code that builds the microbatches (TrainBatches.global_shapes).
-    """
-    return batches.global_shapes(step)
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated memory on a GPU; on CPU the process's peak resident set size."""
     if device.type == "cuda":

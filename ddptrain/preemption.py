@@ -11,9 +11,8 @@ import logging
 import signal
 
 import torch
-import torch.distributed as dist
 
-from ddptrain.distributed import is_distributed
+from ddptrain.distributed import any_rank
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +34,7 @@ class PreemptionWatcher:
         self.received = signum
 
     def should_stop(self) -> bool:
-        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32, device=self.device)
-        if is_distributed():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.received is not None, self.device)
 
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a signal on another rank"

@@ -15,13 +15,13 @@ from omegaconf import OmegaConf
 
 from ddptrain import checkpoint as ckpt
 from ddptrain import faults
-from ddptrain.config import TrainConfig
+from ddptrain.config import TrainConfig, grad_accum_steps
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.distributed import DistInfo, all_reduce_sum, is_rank_zero, Rank0Filter, barrier
 from ddptrain.engine import Engine, StepStats
 from ddptrain.flops import ModelFlops, device_peak_flops
-from ddptrain.metrics import MetricsLogger, ThroughputWindow, global_microbatch_shapes, peak_memory_bytes
+from ddptrain.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.objective import IGNORE_INDEX, token_loss_sum
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -61,8 +61,6 @@ class Trainer:
                               n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, dropout=cfg.model.dropout,
                               bias=cfg.model.bias))
         self.num_parameters = model.num_parameters()
-        if cfg.trainer.precision == "fp64":
-            model = model.double()  # before the optimizer sees the parameters
         optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas))
         scheduler = build_scheduler(optimizer, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.trainer.max_steps,
                                     cfg.optim.min_lr_ratio)
@@ -71,7 +69,8 @@ class Trainer:
                                 "find_unused_parameters": cfg.strategy.find_unused_parameters}
         else:  # zero1 | zero2 | zero3: DeepSpeed's config is derived from ours, so they cannot disagree
             strategy_options = {"micro_batch_size": cfg.batch.micro_size,
-                                "grad_accum_steps": cfg.batch.global_size // (cfg.batch.micro_size * self.dist.world_size),
+                                "grad_accum_steps": grad_accum_steps(cfg.batch.global_size, cfg.batch.micro_size,
+                                                                     self.dist.world_size),
                                 "deepspeed": OmegaConf.to_container(cfg.strategy.deepspeed, resolve=True)}
         self.engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip,
                              lr_scheduler=scheduler, precision=cfg.trainer.precision, nonfinite=cfg.trainer.nonfinite,
@@ -112,7 +111,6 @@ class Trainer:
     def _log_summary(self) -> None:
         """The start-up summary on rank 0 (one line per topic, so Slurm logs stay greppable)."""
         cfg, d, train = self.cfg, self.dist, self.data.train
-        accum = cfg.batch.global_size // (cfg.batch.micro_size * d.world_size)
         nodes = max(d.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)), 1)
         if d.device.type == "cuda":
             device = f"{torch.cuda.get_device_name(d.device)} ({d.backend})"
@@ -123,6 +121,7 @@ class Trainer:
         mean_targets = train.valid_targets() / len(train)
         log.info("world: %d rank(s) on %d node(s) | device: %s | peak %s", d.world_size, nodes, device, peak)
         if cfg.batch.micro_tokens is None and not cfg.batch.pack:
+            accum = grad_accum_steps(cfg.batch.global_size, cfg.batch.micro_size, d.world_size)
             layout = f"micro {cfg.batch.micro_size} x accumulation {accum} x world {d.world_size}"
         else:
             budget = (f"microbatches of <= {cfg.batch.micro_tokens} padded tokens" if cfg.batch.micro_tokens
@@ -155,7 +154,7 @@ class Trainer:
             if stats.skipped and stats.reason == "no_valid_tokens" and cfg.empty_step == "stop":
                 raise EmptyStepError(f"step {self.step + 1}: the global batch has no valid target token "
                                      "(trainer.empty_step=stop)")
-            self.metrics.window.add(stats, data_wait_s, global_microbatch_shapes(self.train_batches, self.step))
+            self.metrics.window.add(stats, data_wait_s, self.train_batches.global_shapes(self.step))
             self.step += 1
             self.tokens_seen += stats.tokens
             self.metrics.step_done(self.step, stats.loss)

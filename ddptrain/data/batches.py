@@ -70,16 +70,26 @@ class TrainBatches:
         self.rank = rank
         self.world_size = world_size
         self._targets = examples.lengths - 1  # input/target pairs of each example
+        self._layout: tuple[int, list[list[np.ndarray]]] | None = None  # (step, per-rank microbatches)
 
     # -- layout --------------------------------------------------------------------------------
 
+    def layout(self, step: int) -> list[list[np.ndarray]]:
+        """Example ids of each microbatch of every rank at `step`, computed once per step."""
+        if self._layout is None or self._layout[0] != step:
+            global_ids = self.plan.global_batch(step)
+            if self.micro_tokens is None:
+                ranks = [split_micro(rank_share(global_ids, rank, self.world_size), self.micro_batch_size)
+                         for rank in range(self.world_size)]
+            else:
+                shares = balanced_shares(global_ids, self._targets[global_ids], self.world_size)
+                ranks = [budget_microbatches(share, self._targets[share], self.micro_tokens) for share in shares]
+            self._layout = (step, ranks)
+        return self._layout[1]
+
     def rank_microbatches(self, step: int, rank: int) -> list[np.ndarray]:
         """Example ids of each microbatch of `rank` at `step`."""
-        global_ids = self.plan.global_batch(step)
-        if self.micro_tokens is None:
-            return split_micro(rank_share(global_ids, rank, self.world_size), self.micro_batch_size)
-        share = balanced_shares(global_ids, self._targets[global_ids], self.world_size)[rank]
-        return budget_microbatches(share, self._targets[share], self.micro_tokens)
+        return self.layout(step)[rank]
 
     def microbatch_ids(self, step: int) -> list[np.ndarray]:
         """Example ids of each of this rank's microbatches."""
@@ -87,8 +97,7 @@ class TrainBatches:
 
     def global_shapes(self, step: int) -> list[tuple[int, int]]:
         """(rows, padded width) of every microbatch of every rank: what the devices compute."""
-        return [(len(ids), int(self._targets[ids].max())) for rank in range(self.world_size)
-                for ids in self.rank_microbatches(step, rank)]
+        return [(len(ids), int(self._targets[ids].max())) for micro in self.layout(step) for ids in micro]
 
     def microbatches(self, step: int) -> list:
         return [self.examples.collate(ids) for ids in self.microbatch_ids(step)]
