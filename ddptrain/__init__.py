@@ -3,7 +3,8 @@
 from ddptrain.distributed import get_rank, get_world_size, init_distributed, is_distributed
 from ddptrain.engine import Engine, StepStats
 from ddptrain.objective import count_valid_tokens, token_loss_sum
+from ddptrain.weights import load_model
 
 __all__ = ["init_distributed", "Engine", "StepStats", "get_rank", "get_world_size", "is_distributed",
-           "count_valid_tokens", "token_loss_sum"]
+           "count_valid_tokens", "token_loss_sum", "load_model"]
 __version__ = "0.1.0"

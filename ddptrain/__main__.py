@@ -11,7 +11,9 @@ import hydra
 from omegaconf import DictConfig
 
 from ddptrain.config import ConfigError, register_configs, validate
+from ddptrain.checkpoint import CheckpointError
 from ddptrain.data import DataError
+from ddptrain.models.build import ModelError
 from ddptrain.distributed import destroy_distributed, env_world_size, init_distributed, setup_logging
 from ddptrain.trainer import Trainer
 
@@ -31,8 +33,9 @@ def train(cfg: DictConfig) -> None:
     trainer = Trainer(cfg, dist_info)
     try:
         trainer.build().fit()
-    except DataError as error:  # bad input data: a clear message on every rank, not a traceback
-        logging.getLogger("ddptrain").error("data error: %s", error)
+    except (DataError, ModelError, CheckpointError) as error:  # bad input: a clear message on every rank
+        kind = {DataError: "data", ModelError: "model", CheckpointError: "checkpoint"}[type(error)]
+        logging.getLogger("ddptrain").error("%s error: %s", kind, error)
         sys.exit(2)
     finally:
         trainer.close()

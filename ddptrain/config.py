@@ -6,12 +6,16 @@ group starts, on every rank, so a bad value fails fast everywhere with the same 
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import signal
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 class ConfigError(ValueError):
@@ -74,14 +78,18 @@ class OptimConfig:
     """cosine | constant, after linear warmup."""
     warmup_steps: int = 20
     """Linear warmup steps."""
+    decay_steps: Optional[int] = None
+    """Length of the schedule (null: trainer.max_steps). Fix it to extend a run later without changing its schedule."""
     min_lr_ratio: float = 0.1
     """Cosine floor as a fraction of lr."""
 
 
 @dataclass
-class ModelConfig:
+class GPTModelConfig:
+    """model=gpt: the built-in decoder-only GPT (ddptrain/models/gpt.py)."""
+
     name: str = "gpt"
-    """Model family (gpt)."""
+    """Model family: gpt (built in) | hf (a local transformers directory); absent for a `_target_` factory."""
     n_layer: int = 4
     """Transformer blocks."""
     n_head: int = 4
@@ -92,6 +100,31 @@ class ModelConfig:
     """Dropout probability (0 keeps steps deterministic)."""
     bias: bool = False
     """Biases in linear and norm layers."""
+
+
+@dataclass
+class HFModelConfig:
+    """model=hf: any causal LM that transformers' AutoModelForCausalLM knows, from a local directory."""
+
+    name: str = "hf"
+    path: str = MISSING
+    """Local directory: config.json, and weights to fine-tune from (none: initialised with run.seed). Never downloaded."""
+    attn_implementation: str = "sdpa"
+    """sdpa | eager: transformers' attention kernel (packing needs one that takes a 4D mask)."""
+
+
+ModelConfig = GPTModelConfig  # the default model's schema
+
+MODEL_SCHEMAS = {"gpt": GPTModelConfig, "hf": HFModelConfig}
+"""Schema of each `model.name`; a node with `_target_` is a user factory and its other keys are its arguments."""
+
+
+@dataclass
+class ObjectiveConfig:
+    label_smoothing: float = 0.0
+    """Label smoothing epsilon in [0, 1): still a sum over valid tokens divided by the global count N_t."""
+    z_loss: float = 0.0
+    """Weight of PaLM's z-loss, log(Z)^2 summed over valid tokens (0: off)."""
 
 
 @dataclass
@@ -110,8 +143,8 @@ class DataConfig:
     """text: one document per file | paragraph (per blank-line-separated paragraph)."""
     field: str = "text"
     """jsonl and hf: the string field (column) holding each document."""
-    tokenizer: str = "byte"
-    """byte | path to a Hugging Face tokenizer.json (optional extra); not for data=tokens."""
+    tokenizer: Optional[str] = None
+    """byte | path to a Hugging Face tokenizer.json (optional extra); null: model=hf's own tokenizer.json, else byte."""
     on_decode_error: str = "replace"
     """Bytes that are not UTF-8 where text is needed (jsonl, tokenizer.json): replace (U+FFFD, counted) | error."""
     dtype: str = "uint16"
@@ -183,7 +216,9 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Any = field(default_factory=dict)
+    """Checked against MODEL_SCHEMAS[model.name] by `validate` (a `_target_` factory takes any keys)."""
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -201,7 +236,6 @@ _CHOICES = {
     "trainer.nonfinite": ("skip", "stop"),
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "constant"),
-    "model.name": ("gpt",),
     "data.name": ("stdlib", "text", "jsonl", "tokens", "hf"),
     "data.split_by": ("file", "paragraph"),
     "data.on_decode_error": ("replace", "error"),
@@ -213,7 +247,7 @@ _CHOICES = {
 
 _POSITIVE = (
     "trainer.max_steps", "trainer.log_every", "trainer.eval_examples", "batch.global_size", "batch.micro_size",
-    "batch.seq_len", "model.n_layer", "model.n_head", "model.n_embd", "dist.timeout_s",
+    "batch.seq_len", "dist.timeout_s",
 )
 
 
@@ -226,6 +260,16 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 def validate(cfg: Any, world_size: int) -> int:
     """Check every rule; return the gradient accumulation steps. Raises ConfigError."""
+    check_known_keys(cfg)
+    missing = OmegaConf.missing_keys(cfg) if isinstance(cfg, DictConfig) else set()
+    if missing:
+        key = sorted(missing)[0]
+        raise ConfigError(f"{key} is required and has no value (???), e.g. {key}=/path/to/model_dir"
+                          if key == "model.path" else f"{key} is required and has no value (???)")
+    return _validate_values(cfg, world_size)
+
+
+def _validate_values(cfg: Any, world_size: int) -> int:
     for key, allowed in _CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -235,6 +279,8 @@ def validate(cfg: Any, world_size: int) -> int:
         value = _get(cfg, key)
         if not value > 0:
             raise ConfigError(f"{key}={value!r} must be > 0")
+    if cfg.optim.decay_steps is not None and not cfg.optim.decay_steps > 0:
+        raise ConfigError(f"optim.decay_steps={cfg.optim.decay_steps!r} must be > 0 or null (trainer.max_steps)")
     for key in ("trainer.eval_every", "optim.warmup_steps", "checkpoint.every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
@@ -259,10 +305,11 @@ def validate(cfg: Any, world_size: int) -> int:
     if cfg.strategy.name != "ddp" and cfg.trainer.precision == "fp64":
         raise ConfigError(f"trainer.precision='fp64' is not supported with strategy={cfg.strategy.name} "
                           "(DeepSpeed ZeRO trains fp32 or bf16); use strategy=ddp for fp64")
-    if cfg.model.n_embd % cfg.model.n_head:
-        raise ConfigError(f"model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}")
-    if not 0 <= cfg.model.dropout < 1:
-        raise ConfigError(f"model.dropout={cfg.model.dropout!r} must be in [0, 1)")
+    _validate_model(cfg.model)
+    if not 0 <= cfg.objective.label_smoothing < 1:
+        raise ConfigError(f"objective.label_smoothing={cfg.objective.label_smoothing!r} must be in [0, 1)")
+    if not cfg.objective.z_loss >= 0:
+        raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be >= 0")
     batch = cfg.batch
     if batch.micro_tokens is not None or batch.pack:
         if cfg.strategy.name != "ddp":
@@ -279,6 +326,68 @@ def validate(cfg: Any, world_size: int) -> int:
     return grad_accum_steps(batch.global_size, batch.micro_size, world_size)
 
 
+def _schema_keys(schema) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def _unknown_key_error(key: str, known: list[str], prefix: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+    return ConfigError(f"{prefix}{key} is not a config key{hint}; the keys of {prefix.rstrip('.') or 'the config'} "
+                       f"are: {', '.join(known)}")
+
+
+def check_known_keys(cfg: Any, schema=None, prefix: str = "") -> None:
+    """Every key of `cfg` is a field of the schema (Hydra's `+key=value` adds keys no schema knows).
+
+    The `model` node is checked against its own kind's schema; a `_target_` factory's other keys
+    are its keyword arguments and are not checked here. Plain `dict` fields are free-form.
+    """
+    schema = schema or TrainConfig
+    known = _schema_keys(schema)
+    types = typing.get_type_hints(schema)
+    for key in cfg.keys():
+        if key not in known:
+            raise _unknown_key_error(str(key), known, prefix)
+        value = cfg[key]
+        field_type = types[key]
+        if prefix == "" and key == "model":
+            continue  # _validate_model
+        if dataclasses.is_dataclass(field_type) and isinstance(cfg[key], DictConfig):
+            check_known_keys(cfg[key], field_type, f"{prefix}{key}.")
+
+
+def _validate_model(model: Any) -> None:
+    if "_target_" in model:
+        if not isinstance(model["_target_"], str) or "." not in model["_target_"]:
+            raise ConfigError(f"model._target_={model['_target_']!r} must be a dotted path to a callable that "
+                              "returns an nn.Module, e.g. my_package.models.build")
+        return
+    name = model.get("name")
+    if name not in MODEL_SCHEMAS:
+        raise ConfigError(f"model.name={name!r} is not one of {', '.join(MODEL_SCHEMAS)} "
+                          "(or give model._target_=pkg.module.factory for your own model)")
+    schema = MODEL_SCHEMAS[name]
+    check_known_keys(model, schema, "model.")
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(schema), model)
+    except OmegaConfBaseException as error:
+        message = str(error).split("\n")[0]
+        raise ConfigError(f"model.{error.full_key}: {message} (model={name})") from None
+    for key in OmegaConf.missing_keys(typed):
+        raise ConfigError(f"model.{key} is required for model={name}, e.g. model.{key}=/path/to/model_dir")
+    if name == "gpt":
+        for key in ("n_layer", "n_head", "n_embd"):
+            if not typed[key] > 0:
+                raise ConfigError(f"model.{key}={typed[key]!r} must be > 0")
+        if typed.n_embd % typed.n_head:
+            raise ConfigError(f"model.n_embd={typed.n_embd} must be divisible by model.n_head={typed.n_head}")
+        if not 0 <= typed.dropout < 1:
+            raise ConfigError(f"model.dropout={typed.dropout!r} must be in [0, 1)")
+    if name == "hf" and typed.attn_implementation not in ("sdpa", "eager"):
+        raise ConfigError(f"model.attn_implementation={typed.attn_implementation!r} is not one of sdpa, eager")
+
+
 def _validate_data(data: Any) -> None:
     if data.name != "stdlib" and not data.paths:
         raise ConfigError(f"data.paths is empty: data={data.name} needs files or globs, e.g. data.paths=[corpus/*.txt]")
@@ -290,7 +399,7 @@ def _validate_data(data: Any) -> None:
         if data.vocab_size is None:
             raise ConfigError("data.vocab_size is required for data=tokens: the model's vocabulary, above every "
                               "token id in the files (e.g. 50304 for GPT-2 tokens)")
-        if data.tokenizer != "byte":
+        if data.tokenizer not in (None, "byte"):
             raise ConfigError(f"data.tokenizer={data.tokenizer!r} does not apply to data=tokens (already tokenized)")
         if data.eod_token is not None and data.index is not None:
             raise ConfigError("data.eod_token and data.index both split token files into documents; set one")

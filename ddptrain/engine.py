@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.distributed import get_world_size, init_distributed, is_distributed
-from ddptrain.objective import IGNORE_INDEX, token_loss_sum
+from ddptrain.models.build import logits_of
+from ddptrain.objective import IGNORE_INDEX, Objective
 from ddptrain.strategies import Strategy, build_strategy
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class StepStats:
     """What one optimizer step did, the same numbers on every rank."""
 
     loss: float
-    """Global mean loss over valid target tokens (NaN when the step had none)."""
+    """Global mean of the Engine's objective over valid target tokens: cross-entropy, label-smoothed
+    and plus the z-loss when the objective sets them (NaN when the step had none)."""
     tokens: int
     """Global number of valid target tokens N_t."""
     grad_norm: float
@@ -92,6 +94,8 @@ class Engine:
         precision: "fp32" | "fp64" (the model is cast) | "bf16" (autocast).
         nonfinite: "skip" (no update, counted) or "stop" (raise) when the gradient norm is not finite.
         device: where microbatches go; defaults to the device of init_distributed().
+        objective: the per-token loss summed over valid targets and divided by the global N_t
+            (label smoothing, z-loss); None: plain cross-entropy.
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class Engine:
         nonfinite: str = "skip",
         device: torch.device | None = None,
         strategy_options: dict | None = None,
+        objective: Objective | None = None,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -118,6 +123,7 @@ class Engine:
         self.grad_clip = grad_clip
         self.nonfinite = nonfinite
         self.lr_scheduler = lr_scheduler
+        self.objective = objective if objective is not None else Objective()
         if precision == "fp64":
             model = model.to(dtype=torch.float64)
         model = model.to(self.device)
@@ -203,10 +209,11 @@ class Engine:
 
     def _call_model(self, inputs) -> torch.Tensor:
         # A dict of tensors (packed rows: idx, positions, segments) goes in as keyword arguments.
-        return self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
+        output = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
+        return logits_of(output)  # logits, or a transformers ModelOutput's .logits
 
     def _forward(self, inputs, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(self.forward(inputs), targets)
+        return self.objective.token_sum(self.forward(inputs), targets)
 
     def _global_loss(self, loss_sum: torch.Tensor) -> float:
         if is_distributed():

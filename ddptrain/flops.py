@@ -96,3 +96,24 @@ class ModelFlops:
         """From a ddptrain GPT: all parameters but the position embedding (tied weights once)."""
         matmul_params = model.num_parameters() - model.pos_emb.weight.numel()
         return cls(matmul_params, model.cfg.n_layer, model.cfg.n_embd)
+
+    @classmethod
+    def of_module(cls, model: nn.Module) -> "ModelFlops | None":
+        """The built-in GPT, or a transformers decoder (from its config); None for other modules."""
+        if hasattr(model, "pos_emb") and hasattr(model, "cfg"):
+            return cls.of_gpt(model)
+        config = getattr(model, "config", None)
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+        width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+        if not (layers and width and hasattr(model, "get_input_embeddings")):
+            return None
+        embeddings = model.get_input_embeddings().weight
+        output = model.get_output_embeddings()
+        tied = output is not None and output.weight is embeddings
+        # The input embedding is a lookup, not a matmul; a tied one is counted once, as the head.
+        params = sum(p.numel() for p in model.parameters()) - (0 if tied else embeddings.numel())
+        position = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
+        if position is not None:
+            params -= position.weight.numel()
+        return cls(params, int(layers), int(width))
+

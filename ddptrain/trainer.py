@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch import nn
 
 from ddptrain import checkpoint as ckpt
 from ddptrain import faults
@@ -22,10 +24,11 @@ from ddptrain.distributed import DistInfo, all_reduce_sum, is_rank_zero, Rank0Fi
 from ddptrain.engine import Engine, StepStats
 from ddptrain.flops import ModelFlops, device_peak_flops
 from ddptrain.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
-from ddptrain.models import GPT, GPTConfig
-from ddptrain.objective import IGNORE_INDEX, token_loss_sum
+from ddptrain.models.build import ModelError, accepts_packed_rows, build_model, num_parameters
+from ddptrain.objective import IGNORE_INDEX, Objective, token_loss_sum
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.preemption import Preempted, PreemptionWatcher
+from ddptrain.weights import SPEC_FILE, save_final
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class Trainer:
 
     def build(self) -> "Trainer":
         cfg = self.cfg
+        self._resolve_tokenizer()
         self._write_run_dir()
         torch.manual_seed(cfg.run.seed)
         self.data = self._build_data()
@@ -57,12 +61,9 @@ class Trainer:
                                           cfg.run.seed, self.dist.rank, self.dist.world_size,
                                           micro_tokens=cfg.batch.micro_tokens, pack=cfg.batch.pack,
                                           seq_len=cfg.batch.seq_len)
-        model = GPT(GPTConfig(vocab_size=self.data.vocab_size, max_seq_len=cfg.batch.seq_len, n_layer=cfg.model.n_layer,
-                              n_head=cfg.model.n_head, n_embd=cfg.model.n_embd, dropout=cfg.model.dropout,
-                              bias=cfg.model.bias))
-        self.num_parameters = model.num_parameters()
+        model = self._build_model()
         optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas))
-        scheduler = build_scheduler(optimizer, cfg.optim.schedule, cfg.optim.warmup_steps, cfg.trainer.max_steps,
+        scheduler = build_scheduler(optimizer, cfg.optim.schedule, cfg.optim.warmup_steps, self.decay_steps,
                                     cfg.optim.min_lr_ratio)
         if cfg.strategy.name == "ddp":
             strategy_options = {"bucket_cap_mb": cfg.strategy.bucket_cap_mb,
@@ -72,21 +73,64 @@ class Trainer:
                                 "grad_accum_steps": grad_accum_steps(cfg.batch.global_size, cfg.batch.micro_size,
                                                                      self.dist.world_size),
                                 "deepspeed": OmegaConf.to_container(cfg.strategy.deepspeed, resolve=True)}
+        objective = Objective(label_smoothing=cfg.objective.label_smoothing, z_loss=cfg.objective.z_loss)
         self.engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip,
                              lr_scheduler=scheduler, precision=cfg.trainer.precision, nonfinite=cfg.trainer.nonfinite,
-                             device=self.dist.device, strategy_options=strategy_options)
+                             device=self.dist.device, strategy_options=strategy_options, objective=objective)
         self.optimizer = optimizer
         resumed = self._resume()
+        self._check_horizon(resumed)
         self.metrics = MetricsLogger(self.run_dir, cfg.logger.wandb.mode, cfg.logger.wandb.project,
                                      cfg.logger.wandb.name, OmegaConf.to_container(cfg, resolve=True),
                                      run_id=resumed.get("wandb_run_id"), resume_step=self.step if resumed else None,
                                      progress=cfg.logger.progress, max_steps=cfg.trainer.max_steps,
-                                     window=ThroughputWindow(ModelFlops.of_gpt(model), device_peak_flops(
+                                     window=ThroughputWindow(ModelFlops.of_module(model), device_peak_flops(
                                          self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops),
                                          self.dist.world_size))
         self._watcher = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device)
         self._log_summary()
         return self
+
+    @property
+    def decay_steps(self) -> int:
+        """The LR schedule's length: optim.decay_steps, else trainer.max_steps."""
+        return self.cfg.optim.decay_steps or self.cfg.trainer.max_steps
+
+    def _resolve_tokenizer(self) -> None:
+        """data.tokenizer=null: model=hf's own tokenizer.json when its directory has one, else bytes."""
+        data, model = self.cfg.data, self.cfg.model
+        if data.tokenizer is None:
+            found = None
+            if model.get("name") == "hf" and "_target_" not in model:
+                from ddptrain.models.hf import tokenizer_file
+
+                found = tokenizer_file(model.path)
+            data.tokenizer = str(found) if found is not None else "byte"
+
+    def _build_model(self) -> nn.Module:
+        cfg = self.cfg
+        torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        model, self.model_spec = build_model(model_cfg, self.data.vocab_size, cfg.batch.seq_len)
+        self.unwrapped_model = model
+        self.num_parameters = num_parameters(model)
+        if cfg.batch.pack:
+            if self.model_spec.kind == "hf":
+                from ddptrain.models.hf import check_packing
+
+                check_packing(model)
+            elif not accepts_packed_rows(model):
+                raise ModelError(f"batch.pack=true needs a model whose forward takes positions= and segments= "
+                                 f"(attention inside each document); {type(model).__name__}.forward does not; "
+                                 "use batch.pack=false")
+        if self.model_spec.kind == "hf":
+            from ddptrain.models.hf import max_positions
+
+            limit = max_positions(model)
+            if limit is not None and cfg.batch.seq_len > limit:
+                raise ModelError(f"batch.seq_len={cfg.batch.seq_len} exceeds the model's context of {limit} "
+                                 f"positions (model.path={cfg.model.path})")
+        return model
 
     def _write_run_dir(self) -> None:
         if is_rank_zero():
@@ -131,9 +175,11 @@ class Trainer:
                  cfg.strategy.name, cfg.trainer.precision, cfg.batch.global_size, layout)
         log.info("tokens per step: up to %d (seq_len %d), about %.0f valid targets on average",
                  cfg.batch.global_size * cfg.batch.seq_len, cfg.batch.seq_len, cfg.batch.global_size * mean_targets)
-        log.info("model: %s, %d parameters (%.2fM), %d layers x %d wide, %.3g training FLOPs per token at seq_len %d",
-                 cfg.model.name, self.num_parameters, self.num_parameters / 1e6, cfg.model.n_layer, cfg.model.n_embd,
-                 window.model_flops.per_token(cfg.batch.seq_len), cfg.batch.seq_len)
+        flops = window.model_flops
+        log.info("model: %s (%s), %d parameters (%.2fM)%s", self.model_spec.class_name, self.model_spec.kind,
+                 self.num_parameters, self.num_parameters / 1e6,
+                 f", {flops.n_layer} layers x {flops.n_embd} wide, {flops.per_token(cfg.batch.seq_len):.3g} training "
+                 f"FLOPs per token at seq_len {cfg.batch.seq_len}" if flops else "")
         log.info("dataset: %s, %d train documents -> %d examples, %d valid targets (%.1f per example, %.3g epochs "
                  "in %d steps) | validation %d examples", cfg.data.name, train.documents, len(train),
                  train.valid_targets(), mean_targets, cfg.trainer.max_steps * cfg.batch.global_size / len(train),
@@ -145,6 +191,12 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.cfg.trainer
+        if self.step == cfg.max_steps:
+            if not self._final_is_current():
+                self.save_final()
+            log.info("nothing to do: this run already finished at step %d (trainer.max_steps=%d); its weights are in "
+                     "%s; raise trainer.max_steps to train on", self.step, cfg.max_steps, self.run_dir / "final")
+            return
         while self.step < cfg.max_steps:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
             waited = time.perf_counter()
@@ -165,8 +217,10 @@ class Trainer:
             if self.step % cfg.log_every == 0 or is_last:
                 self._log_step(stats, lr, val_loss)
             every = self.cfg.checkpoint.every
-            if every and (self.step % every == 0 or is_last):
+            if is_last or (every and self.step % every == 0):
                 self.save_checkpoint()
+            if is_last:
+                self.save_final()
             if not is_last and self._watcher.should_stop():
                 self._preempt()
 
@@ -195,6 +249,7 @@ class Trainer:
     def _preempt(self) -> None:
         name = self._watcher.signal_name()
         path = self.save_checkpoint()
+        self.save_final()
         code = self.cfg.checkpoint.preempt_exit_code
         log.warning("preempted by %s: checkpoint of step %d saved in %s; exiting with code %d",
                     name, self.step, path, code)
@@ -262,6 +317,7 @@ class Trainer:
             "wandb_run_id": self.metrics.run_id,
             "world_size": self.dist.world_size,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "model_spec": self.model_spec.to_dict(),
         }
 
     def save_checkpoint(self) -> Path:
@@ -280,6 +336,57 @@ class Trainer:
         ckpt.purge(self.run_dir, self.cfg.checkpoint.keep)
         log.info("checkpoint of step %d saved in %s", step, path)
         return path
+
+    def save_final(self) -> Path:
+        """Collective: gathers the full weights (every strategy) and rank 0 writes run.dir/final/."""
+        state = self.engine.model_state_dict()
+        path = self.run_dir / "final"
+        if is_rank_zero():
+            bad = [name for name, value in state.items() if value.is_floating_point() and not torch.isfinite(value).all()]
+            if bad:
+                raise FloatingPointError(f"step {self.step}: weights {bad[:3]} are not finite; final weights are not "
+                                         "written and the previous ones are kept")
+            path = save_final(self.run_dir, self.unwrapped_model, state, self.model_spec, self.step,
+                              self._tokenizer_files())
+            log.info("final weights of step %d saved in %s (ddptrain.load_model(%r) reads them)",
+                     self.step, path, str(self.run_dir))
+        barrier()
+        return path
+
+    def _tokenizer_files(self) -> list[Path]:
+        """What final/ needs to tokenize like this run: model=hf's tokenizer files, or data.tokenizer's json."""
+        tokenizer = self.cfg.data.tokenizer
+        if self.model_spec.kind == "hf":
+            from ddptrain.models.hf import TOKENIZER_FILES
+
+            source = Path(self.cfg.model.path).expanduser()
+            files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+            if tokenizer not in (None, "byte") and Path(tokenizer).expanduser().resolve() != (source / "tokenizer.json").resolve():
+                files = [Path(tokenizer).expanduser()]  # the run used another tokenizer than the model's own
+            return files
+        return [Path(tokenizer).expanduser()] if tokenizer not in (None, "byte") else []
+
+    def _final_is_current(self) -> bool:
+        spec = self.run_dir / "final" / SPEC_FILE
+        try:
+            return json.loads(spec.read_text())["step"] == self.step
+        except (OSError, ValueError, KeyError):
+            return False
+
+    def _check_horizon(self, resumed: dict) -> None:
+        """Resuming with another trainer.max_steps stretches the LR schedule unless optim.decay_steps fixes it."""
+        if not resumed:
+            return
+        saved = resumed.get("config", {})
+        before = saved.get("optim", {}).get("decay_steps") or saved.get("trainer", {}).get("max_steps")
+        if before is not None and before != self.decay_steps:
+            log.warning("the LR schedule now runs over %d steps instead of %d (trainer.max_steps changed on resume); "
+                        "set optim.decay_steps to keep one schedule across runs of different lengths",
+                        self.decay_steps, before)
+        if self.step > self.cfg.trainer.max_steps:
+            raise ckpt.CheckpointError(f"the checkpoint is at step {self.step}, past trainer.max_steps="
+                                       f"{self.cfg.trainer.max_steps}; raise trainer.max_steps, or start anew with "
+                                       "checkpoint.resume=none or another run.dir")
 
     def _resume(self) -> dict:
         """Load the checkpoint that checkpoint.resume names; {} when starting fresh."""

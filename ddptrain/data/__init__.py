@@ -27,11 +27,13 @@ class DataSplits:
     vocab_size: int
 
 
-def load_stdlib(seq_len: int, val_percent: float, max_docs: int | None = None) -> DataSplits:
-    """The default data: standard-library sources, byte tokens, split by a hash of the file name."""
-    tokenizer = ByteTokenizer()
+def load_stdlib(seq_len: int, val_percent: float, max_docs: int | None = None, tokenizer=None) -> DataSplits:
+    """The default data: standard-library sources, byte tokens (or `tokenizer`), split by a hash of the file name."""
+    tokenizer = tokenizer or ByteTokenizer()
     train_docs, val_docs = [], []
     for name, data in stdlib_documents(max_docs):
+        if tokenizer.needs_text:
+            data = data.decode("utf-8", errors="replace")
         (val_docs if is_validation(name, val_percent) else train_docs).append(tokenizer.encode(data))
     if not val_docs:  # tiny corpora (max_docs) still get a validation set
         val_docs.append(train_docs.pop())

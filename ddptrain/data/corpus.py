@@ -34,7 +34,7 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     from ddptrain.data import DataSplits, load_stdlib
 
     if data_cfg.name == "stdlib":
-        return load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs)
+        return load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs, load_tokenizer(data_cfg.tokenizer))
     tokenizer = ByteTokenizer() if data_cfg.name == "tokens" else load_tokenizer(data_cfg.tokenizer)
     allow_dirs = data_cfg.name == "hf"
     train_files = expand_paths(list(data_cfg.paths), "data.paths", allow_dirs)

@@ -62,6 +62,6 @@ class HFTokenizer:
         return "hf:" + hashlib.sha256(self.path.read_bytes()).hexdigest()
 
 
-def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
-    """`byte`, or the path of a Hugging Face tokenizer.json."""
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+def load_tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:
+    """`byte` (or None), or the path of a Hugging Face tokenizer.json."""
+    return ByteTokenizer() if spec in (None, "byte") else HFTokenizer(spec)

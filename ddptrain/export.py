@@ -1,0 +1,94 @@
+"""`python -m ddptrain.export RUN_DIR OUT_DIR`: a run's trained weights as a Hugging Face model
+directory (`AutoModelForCausalLM.from_pretrained(OUT_DIR)`), with the run's tokenizer files if any.
+
+The built-in GPT becomes a GPT2LMHeadModel with the same logits (ddptrain.models.convert); a model=hf
+run's PreTrainedModel is saved as it is. The directory appears under its name only when complete."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from torch import nn
+
+import ddptrain
+from ddptrain.checkpoint import CheckpointError
+from ddptrain.models import GPT
+from ddptrain.models.build import ModelError
+from ddptrain.models.hf import TOKENIZER_FILES
+from ddptrain.weights import weights_dir
+
+
+class ExportError(RuntimeError):
+    """The run cannot be exported as asked; the message names the path or model class."""
+
+
+def export(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the run's model (final weights, else the newest checkpoint's) to `out_dir`; return it."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"run directory {run_dir} does not exist")
+    if out_dir.exists() and not _is_empty_dir(out_dir):
+        raise ExportError(f"output directory {out_dir} already exists and is not empty; pick a new path")
+    model = ddptrain.load_model(run_dir)
+    hf_model = _to_hf(model, run_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A sibling on the same filesystem, so the final rename is atomic and a failure leaves no OUT_DIR.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        hf_model.save_pretrained(staging)
+        _copy_tokenizer_files(run_dir, staging)
+        staging.replace(out_dir)  # rename(2) may replace an empty directory
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _to_hf(model: nn.Module, run_dir: Path) -> nn.Module:
+    if isinstance(model, GPT):
+        from ddptrain.models.convert import gpt_to_hf
+        return gpt_to_hf(model)
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # then the model cannot be one
+        PreTrainedModel = None
+    if PreTrainedModel is not None and isinstance(model, PreTrainedModel):
+        return model
+    cls = type(model)
+    raise ExportError(f"model class {cls.__module__}.{cls.__qualname__} has no transformers architecture to "
+                      f"export it to (only the built-in GPT and transformers PreTrainedModels export); "
+                      f"load it with ddptrain.load_model({str(run_dir)!r}) instead")
+
+
+def _copy_tokenizer_files(run_dir: Path, out_dir: Path) -> None:
+    source = weights_dir(run_dir)  # the directory load_model read the weights from
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out_dir / name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddptrain.export",
+        description="Export a ddptrain run's weights as a Hugging Face model directory (from_pretrained).")
+    parser.add_argument("run_dir", type=Path, help="the run's directory (run.dir)")
+    parser.add_argument("out_dir", type=Path, help="a new or empty directory to write the model to")
+    args = parser.parse_args(argv)
+    try:
+        out_dir = export(args.run_dir, args.out_dir)
+    except (ExportError, FileNotFoundError, CheckpointError, ModelError) as error:
+        print(f"export error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported {args.run_dir} to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

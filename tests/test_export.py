@@ -1,0 +1,205 @@
+"""Export to Hugging Face: the converted GPT-2 computes the GPT's logits, round-trips through
+save_pretrained / from_pretrained, generates greedily like the GPT, and the CLI refuses what it cannot do."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import ddptrain
+from ddptrain.export import ExportError, export, main
+from ddptrain.models import GPT, GPTConfig
+from ddptrain.models.convert import gpt_to_hf
+from tests.helpers import REPO, TINY_RUN, run_cli
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 256, 64
+LENGTHS = (1, 7, SEQ)
+
+
+def random_gpt(bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0) -> GPT:
+    """A GPT whose LayerNorm weights are not 1 and biases not 0, so a mapping that drops them shows."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=4, n_embd=64, bias=bias))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return model.to(dtype).eval()
+
+
+def max_logit_difference(gpt: nn.Module, hf_model: nn.Module, seed: int = 1) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    with torch.no_grad():
+        for length in LENGTHS:
+            idx = torch.randint(0, VOCAB, (3, length), generator=gen)
+            worst = max(worst, float((gpt(idx) - hf_model(idx).logits).abs().max()))
+    return worst
+
+
+def greedy(gpt: GPT, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            next_id = gpt(ids)[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+            ids = torch.cat([ids, next_id], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.float64, 1e-10)], ids=["fp32", "fp64"])
+def test_converted_gpt_gives_the_same_logits(bias, dtype, tolerance):
+    gpt = random_gpt(bias, dtype)
+    hf_model = gpt_to_hf(gpt)
+    assert isinstance(hf_model, transformers.GPT2LMHeadModel)
+    assert hf_model.dtype == dtype and not hf_model.training
+    assert max_logit_difference(gpt, hf_model) <= tolerance
+
+
+def test_config_pins_the_gpt_math():
+    config = gpt_to_hf(random_gpt(bias=False)).config
+    assert config.activation_function == "gelu"  # erf, as F.gelu; not gelu_new
+    assert config.layer_norm_epsilon == 1e-5
+    assert (config.n_positions, config.vocab_size, config.n_layer, config.n_head, config.n_embd) == (SEQ, VOCAB, 2, 4, 64)
+    assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == config.summary_first_dropout == 0
+    assert not config.scale_attn_by_inverse_layer_idx and not config.reorder_and_upcast_attn
+    assert config.tie_word_embeddings
+    assert config.bos_token_id is None and config.eos_token_id is None and config.pad_token_id is None
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_save_pretrained_round_trips_through_auto_model(tmp_path, bias):
+    gpt = random_gpt(bias)
+    gpt_to_hf(gpt).save_pretrained(tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert isinstance(loaded, transformers.GPT2LMHeadModel)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr(), "embeddings must stay tied"
+    assert max_logit_difference(gpt, loaded) <= 1e-4
+
+
+class _WarningRecorder(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_generate_matches_a_greedy_loop_without_warnings():
+    gpt = random_gpt(bias=True)
+    hf_model = gpt_to_hf(gpt)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    prompt[:, 1] = 0  # byte 0 must stay an ordinary token, never inferred as padding
+    recorder = _WarningRecorder()
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(recorder)
+    try:
+        generated = hf_model.generate(prompt, do_sample=False, max_new_tokens=8)
+    finally:
+        hf_logger.removeHandler(recorder)
+    assert generated.shape == (2, 13)
+    assert torch.equal(generated, greedy(gpt, prompt, 8))
+    assert recorder.messages == []
+
+
+def test_export_refuses_a_model_with_no_transformers_architecture(tmp_path, monkeypatch, capsys):
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(ddptrain, "load_model", lambda run_dir: nn.Linear(2, 2), raising=False)
+    with pytest.raises(ExportError, match=r"torch\.nn\.modules\.linear\.Linear has no transformers "
+                                          r"architecture.*ddptrain\.load_model"):
+        export(tmp_path / "run", tmp_path / "out")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "run"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "no transformers architecture" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "nothing may be left behind"
+
+
+def test_export_refuses_a_missing_run_dir_a_run_without_weights_and_a_non_empty_out_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "missing"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert f"run directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "run"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert str(tmp_path / "run") in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "run"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert f"output directory {tmp_path / 'out'} already exists and is not empty" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_a_failed_export_leaves_nothing_half_written(tmp_path, monkeypatch):
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(ddptrain, "load_model", lambda run_dir: random_gpt(bias=False), raising=False)
+
+    def fail(run_dir, out_dir):
+        assert (out_dir / "config.json").is_file(), "the weights are written before the tokenizer files"
+        raise OSError("disk full")
+
+    monkeypatch.setattr("ddptrain.export._copy_tokenizer_files", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export(tmp_path / "run", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_export_writes_the_model_and_the_run_tokenizer_files(tmp_path, monkeypatch):
+    gpt = random_gpt(bias=True)
+    weights = tmp_path / "run" / "final"
+    weights.mkdir(parents=True)
+    for name, text in [("tokenizer.json", "{}"), ("tokenizer_config.json", '{"a": 1}'), ("model.safetensors", "x")]:
+        (weights / name).write_text(text)
+    monkeypatch.setattr(ddptrain, "load_model", lambda run_dir: gpt, raising=False)
+    monkeypatch.setattr("ddptrain.export.weights_dir", lambda run_dir: weights)
+    (tmp_path / "out").mkdir()  # an existing empty directory is fine
+    assert export(tmp_path / "run", tmp_path / "out") == tmp_path / "out"
+    written = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= written
+    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"a": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"], "no staging directory may remain"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert max_logit_difference(gpt, loaded) <= 1e-4
+
+
+@pytest.mark.slow
+def test_exported_run_matches_load_model_end_to_end(tmp_path):
+    run_dir, out_dir = tmp_path / "run", tmp_path / "hf"
+    result = run_cli([*TINY_RUN, "trainer.max_steps=3", "batch.global_size=4", "batch.micro_size=4",
+                      "batch.seq_len=64", f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(out_dir)], cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out_dir / "config.json").is_file()
+
+    trained = ddptrain.load_model(run_dir)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    # 3 steps from a 0.02-std init keep activations small, where gelu_new ~ gelu: check the config too.
+    assert exported.config.activation_function == "gelu"
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for length in (1, 17, 64):
+            idx = torch.randint(0, trained.cfg.vocab_size, (2, length), generator=gen)
+            assert float((trained(idx) - exported(idx).logits).abs().max()) <= 1e-4
+    prompt = torch.tensor([list(b"def ")])
+    generated = exported.generate(prompt, do_sample=False, max_new_tokens=8)
+    assert torch.equal(generated, greedy(trained, prompt, 8))
+
+    again = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(out_dir)], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "already exists and is not empty" in again.stderr

@@ -1,0 +1,30 @@
+"""Models for the `model._target_` tests: plain factories in a module the tests import by path."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CausalConvLM(nn.Module):
+    """A tiny causal language model: embeddings, a causal 1D convolution, an MLP, a head.
+
+    Returns raw logits (B, T, V), the simplest side of the model contract."""
+
+    def __init__(self, vocab_size: int, width: int, kernel: int):
+        super().__init__()
+        self.kernel = kernel
+        self.embed = nn.Embedding(vocab_size, width)
+        self.conv = nn.Conv1d(width, width, kernel)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx).transpose(1, 2)  # (B, C, T)
+        x = self.conv(nn.functional.pad(x, (self.kernel - 1, 0))).transpose(1, 2)  # causal: left padding only
+        return self.head(x + self.mlp(x))
+
+
+def make_conv_lm(vocab_size: int, width: int = 32, kernel: int = 4) -> CausalConvLM:
+    """The factory named by `model._target_=tests.toy_models.make_conv_lm`; ddptrain passes vocab_size."""
+    return CausalConvLM(vocab_size, width, kernel)
