@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -14,12 +15,16 @@ from ddptrain.config import ConfigError, register_configs, validate
 from ddptrain.checkpoint import CheckpointError
 from ddptrain.data import DataError
 from ddptrain.models.build import ModelError
-from ddptrain.distributed import destroy_distributed, env_world_size, init_distributed, setup_logging
+from ddptrain.rundir import RunDirLocked
+from ddptrain.distributed import (destroy_distributed, env_world_size, init_distributed, set_parent_death_signal,
+                                  setup_logging)
 from ddptrain.trainer import Trainer
 
 # conf/ sits at the top of a source checkout; an installed wheel carries it as ddptrain.conf.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
 CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else "pkg://ddptrain.conf"
+
+_KINDS = ((DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"), (RunDirLocked, "run.dir"))
 
 
 def train(cfg: DictConfig) -> None:
@@ -29,12 +34,14 @@ def train(cfg: DictConfig) -> None:
     except ConfigError as error:
         logging.getLogger("ddptrain").error("config error: %s", error)
         sys.exit(2)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        set_parent_death_signal()  # workers must not outlive torchrun (SIGTERM: they checkpoint and exit)
     dist_info = init_distributed(cfg.dist.timeout_s)
     trainer = Trainer(cfg, dist_info)
     try:
         trainer.build().fit()
-    except (DataError, ModelError, CheckpointError) as error:  # bad input: a clear message on every rank
-        kind = {DataError: "data", ModelError: "model", CheckpointError: "checkpoint"}[type(error)]
+    except (DataError, ModelError, CheckpointError, RunDirLocked) as error:  # a clear message on every rank
+        kind = next(name for kind, name in _KINDS if isinstance(error, kind))
         logging.getLogger("ddptrain").error("%s error: %s", kind, error)
         sys.exit(2)
     finally:

@@ -16,7 +16,6 @@ marker is on disk, so `auto` can never pick a checkpoint that a killed run left 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,8 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from ddptrain.distributed import barrier, get_rank, get_world_size, is_rank_zero
+from ddptrain.distributed import barrier, first_failure, get_rank, get_world_size, is_rank_zero
+from ddptrain.fsutil import describe_write_error, fsync_dir, fsync_file, save_torch, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -69,30 +70,16 @@ def load_rng_state(state: dict) -> None:
 # -- writing ----------------------------------------------------------------------------------
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def save_torch(obj, path: Path) -> None:
-    torch.save(obj, path)
-    _fsync_file(path)
+def _shares(files: list[Path], world_size: int) -> list[list[Path]]:
+    """Files split over ranks with nearly equal bytes (largest first, to the lightest rank)."""
+    shares: list[list[Path]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    sizes = {path: (path.stat().st_size if path.is_file() else 0) for path in files}
+    for path in sorted(files, key=lambda p: (-sizes[p], str(p))):
+        rank = loads.index(min(loads))
+        shares[rank].append(path)
+        loads[rank] += sizes[path]
+    return shares
 
 
 def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None, strategy=None,
@@ -101,48 +88,96 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
 
     `trainer_state` is written by rank 0 (None elsewhere is fine). A strategy with
     `save_checkpoint(dir)` (DeepSpeed) writes its own shards under `strategy/` on every rank.
-    `failpoint` (tests) is called between the payload and the marker.
+    Every rank then fsyncs and hashes its share of the files (balanced by size, so no rank reads
+    everything); rank 0 gathers the digests and writes the marker. An error on any rank (a full
+    disk) fails every rank at once, names the path and the cause, removes the temporary directory
+    and keeps the previous checkpoint. `failpoint` (tests) is called between the payload and the marker.
     """
     root = checkpoint_dir(run_dir)
     final = root / step_name(step)
     tmp = root / f".tmp-{step_name(step)}"
+    decided: list = [None, None]  # (already complete, error)
     if is_rank_zero():
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a run killed while writing
-        tmp.mkdir()
-    barrier()
-    if is_rank_zero() and trainer_state is not None:
-        save_torch(trainer_state, tmp / "trainer.pt")
-    save_torch(rng_state(), tmp / f"rng_rank{get_rank()}.pt")
-    if strategy is not None and hasattr(strategy, "save_checkpoint"):
-        strategy.save_checkpoint(tmp / "strategy")
-    if failpoint is not None:
-        failpoint()
-    barrier()
-    if is_rank_zero():
+        try:
+            decided[0] = (final / MARKER).is_file()
+            if not decided[0]:
+                root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # left by a run killed while writing
+                tmp.mkdir()
+        except OSError as error:
+            decided[1] = f"step {step}: cannot create {tmp}: {describe_write_error(error, root)}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(decided, src=0)
+    if decided[1] is not None:
+        raise CheckpointError(decided[1])
+    if decided[0]:  # this step is already saved (a preemption right after a checkpoint step)
+        return final
+    error: BaseException | None = None
+    try:
+        if is_rank_zero() and trainer_state is not None:
+            save_torch(trainer_state, tmp / "trainer.pt")
+        save_torch(rng_state(), tmp / f"rng_rank{get_rank()}.pt")
+        if strategy is not None and hasattr(strategy, "save_checkpoint"):
+            strategy.save_checkpoint(tmp / "strategy")
+        if failpoint is not None:
+            failpoint()
+    except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+        error = CheckpointError(f"checkpoint of step {step} could not be written: {describe_write_error(caught, tmp)}; "
+                                "the previous checkpoint is kept")
+    _fail_together(error, tmp)
+    digests: dict[str, str] = {}
+    try:
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        for path in files:
-            if "strategy" in path.relative_to(tmp).parts:
-                _fsync_file(path)
-        sums = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+        for path in _shares(files, get_world_size())[get_rank()]:
+            fsync_file(path)
+            digests[str(path.relative_to(tmp))] = sha256_file(path)
+    except OSError as caught:
+        error = CheckpointError(f"checkpoint of step {step}: {describe_write_error(caught, tmp)}")
+    _fail_together(error, tmp)
+    gathered = _gather(digests)
+    if is_rank_zero():
+        sums = {name: digest for part in gathered for name, digest in sorted(part.items())}
         marker = tmp / MARKER
-        marker.write_text(json.dumps({"step": step, "world_size": get_world_size(), "sha256": sums}, indent=1))
-        _fsync_file(marker)
-        if final.exists():
-            shutil.rmtree(final)
+        marker.write_text(json.dumps({"step": step, "world_size": get_world_size(), "sha256": dict(sorted(sums.items()))},
+                                     indent=1))
+        fsync_file(marker)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     barrier()
     return final
 
 
-def purge(run_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints (rank 0). Never fails training."""
+def _gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _fail_together(error: BaseException | None, tmp: Path) -> None:
+    """Collective: if any rank failed, every rank raises a CheckpointError and rank 0 removes `tmp`."""
+    failure = first_failure(error)
+    if failure is None:
+        return
+    if is_rank_zero():
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        raise error
+    rank, message = failure
+    raise CheckpointError(f"rank {rank}: {message.removeprefix('CheckpointError: ')}")
+
+
+def purge(run_dir: str | Path, keep: int, protect: Path | None = None) -> None:
+    """Delete all but the newest `keep` complete checkpoints (rank 0), never `protect` (the one
+    just written). Never fails training."""
     if not is_rank_zero() or keep <= 0:
         return
     complete = [path for _, path in list_checkpoints(run_dir) if (path / MARKER).is_file()]
     for path in complete[:-keep] if len(complete) > keep else []:
+        if protect is not None and path.resolve() == Path(protect).resolve():
+            continue
         try:
             shutil.rmtree(path)
         except OSError as error:  # a failed purge only costs disk space
@@ -161,8 +196,11 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def verify(path: Path) -> dict:
-    """The marker of a complete checkpoint whose files all match their checksums, else raise."""
+def verify(path: Path, rank: int = 0, world_size: int = 1) -> dict:
+    """The marker of a complete checkpoint whose files match their checksums, else raise.
+
+    With `world_size` > 1, only this rank's share of the files is hashed (the shares of
+    `write_checkpoint`): every rank calls it and the caller gathers the verdicts."""
     marker = path / MARKER
     if not marker.is_file():
         raise CheckpointError(f"{path} has no {MARKER}: it was never completed")
@@ -170,11 +208,13 @@ def verify(path: Path) -> dict:
         meta = json.loads(marker.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{marker} is unreadable: {error}") from error
-    for name, expected in meta["sha256"].items():
-        file = path / name
+    files = [path / name for name in meta["sha256"]]
+    mine = _shares(files, world_size)[rank] if world_size > 1 else files
+    for file in mine:
+        expected = meta["sha256"][str(file.relative_to(path))]
         if not file.is_file():
             raise CheckpointError(f"{file} is missing")
-        if _sha256(file) != expected:
+        if sha256_file(file) != expected:
             raise CheckpointError(f"{file} is corrupted: its sha256 does not match {MARKER}")
     return meta
 
@@ -190,13 +230,62 @@ def find_latest(run_dir: str | Path) -> Path | None:
     return None
 
 
+def agree_on_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
+    """Collective: the checkpoint every rank resumes from (None: start fresh).
+
+    Rank 0 lists the candidates (`auto`: newest first; a path: that one); every rank verifies its
+    share of a candidate's files, so no rank reads them all; a candidate that fails on any rank is
+    named and skipped (`auto`) or fails every rank (an explicit path). Any error, not only a bad
+    checksum, reaches every rank at once."""
+    listed: list = [None, None]  # (candidates, error)
+    if is_rank_zero():
+        try:
+            listed[0] = _candidates(run_dir, resume)
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it
+            listed[1] = str(error)
+    if dist.is_initialized():
+        dist.broadcast_object_list(listed, src=0)
+    if listed[1] is not None:
+        raise CheckpointError(f"checkpoint.resume={resume}: {listed[1]}")
+    for candidate in map(Path, listed[0]):
+        error = None
+        try:
+            verify(candidate, get_rank(), get_world_size())
+        except Exception as caught:  # noqa: BLE001
+            error = caught
+        failure = first_failure(error)
+        if failure is None:
+            return candidate
+        message = failure[1].removeprefix("CheckpointError: ")
+        if resume != "auto":
+            raise CheckpointError(f"checkpoint.resume={resume}: {message}")
+        if is_rank_zero():
+            log.warning("skipping checkpoint %s: %s", candidate.name, message)
+    return None
+
+
+def _candidates(run_dir: str | Path, resume: str) -> list[str]:
+    if resume == "none":
+        return []
+    if resume == "auto":
+        return [str(path) for _, path in reversed(list_checkpoints(run_dir))]
+    path = Path(resume).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist (checkpoint.resume takes auto, none or a checkpoint directory "
+                              f"such as {checkpoint_dir(run_dir) / step_name(100)})")
+    return [str(path)]
+
+
 def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     """`auto` (latest complete in the run dir, else None), `none`, or an explicit path."""
     if resume == "none":
         return None
     if resume == "auto":
         return find_latest(run_dir)
-    path = Path(resume)
+    path = Path(resume).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist (checkpoint.resume takes auto, none or a checkpoint directory "
+                              f"such as {checkpoint_dir(run_dir) / step_name(100)})")
     verify(path)
     return path
 

@@ -200,6 +200,9 @@ class CheckpointConfig:
     """auto (latest complete checkpoint in run.dir, else fresh) | none | a checkpoint path."""
     preempt_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that make every rank checkpoint at the next step boundary and exit."""
+    preempt_grace_s: float = 25.0
+    """After a preemption signal, a rank that reaches no step boundary within this many seconds (stuck in a
+    collective) exits instead of waiting to be SIGKILLed (torchrun waits 30 s)."""
     preempt_exit_code: int = 75
     """Exit code after a preemption checkpoint (EX_TEMPFAIL): the job should be restarted."""
 
@@ -300,6 +303,8 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     for name in cfg.checkpoint.preempt_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preempt_signals has {name!r}, which is not a signal name like SIGUSR1")
+    if not cfg.checkpoint.preempt_grace_s > 0:
+        raise ConfigError(f"checkpoint.preempt_grace_s={cfg.checkpoint.preempt_grace_s!r} must be > 0")
     if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
         raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
     if cfg.strategy.name != "ddp" and cfg.trainer.precision == "fp64":
@@ -349,7 +354,6 @@ def check_known_keys(cfg: Any, schema=None, prefix: str = "") -> None:
     for key in cfg.keys():
         if key not in known:
             raise _unknown_key_error(str(key), known, prefix)
-        value = cfg[key]
         field_type = types[key]
         if prefix == "" and key == "model":
             continue  # _validate_model

@@ -6,9 +6,12 @@ Every helper here is safe to call without torchrun: `get_rank()` is 0, `barrier(
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +133,47 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def first_failure(error: BaseException | None) -> tuple[int, str] | None:
+    """(rank, message) of the lowest rank that passed an error, the same on every rank; None if none did.
+
+    Collective. A rank-local error before a collective would leave the other ranks waiting for
+    it until the timeout: every rank calls this at the same point instead, so all fail at once."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if not is_distributed():
+        return (0, mine) if mine is not None else None
+    gathered: list = [None] * get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for rank, message in enumerate(gathered):
+        if message is not None:
+            return rank, message
+    return None
+
+
+def raise_on_every_rank(error: BaseException | None, error_type: type[Exception] = RuntimeError) -> None:
+    """Collective: re-raise `error` where it happened, and an `error_type` naming it on every other rank."""
+    failure = first_failure(error)
+    if failure is None:
+        return
+    if error is not None:
+        raise error
+    rank, message = failure
+    raise error_type(f"rank {rank} failed: {message}")
+
+
+def set_parent_death_signal(signum: int = signal.SIGTERM) -> None:
+    """Under a launcher (torchrun), ask the kernel to send `signum` when the launcher dies, so that
+    workers never outlive it (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing happens)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before the call: the signal would never come
+        os.kill(os.getpid(), signum)
 
 
 class Rank0Filter(logging.Filter):

@@ -11,17 +11,18 @@ update equals, up to float rounding, that of one process that saw the whole glob
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.distributed import get_world_size, init_distributed, is_distributed
+from ddptrain.distributed import get_rank, init_distributed, is_distributed
 from ddptrain.models.build import logits_of
 from ddptrain.objective import IGNORE_INDEX, Objective
 from ddptrain.strategies import Strategy, build_strategy
@@ -57,25 +58,25 @@ class StepStats:
 
 
 class _PhaseClock:
-    """Splits one step's host time into comm wait, optimizer and the rest (forward-backward)."""
+    """Host seconds of one step: comm wait and optimizer inside `phase(...)` blocks, the rest forward-backward.
+
+    perf_counter readings around calls that already exist: no device sync is added. On a GPU,
+    kernels still queued are charged to the next sync point (the token count's or the loss's .item()).
+    """
 
     def __init__(self):
         self.began = time.perf_counter()
         self.seconds = {"comm": 0.0, "optimizer": 0.0}
-        self._phase: str | None = None
-        self._since = 0.0
 
-    def start(self, phase: str) -> None:
-        self.stop()
-        self._phase, self._since = phase, time.perf_counter()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - since
 
-    def stop(self) -> None:
-        if self._phase is not None:
-            self.seconds[self._phase] += time.perf_counter() - self._since
-            self._phase = None
-
-    def stamp(self, stats: "StepStats") -> "StepStats":
-        self.stop()
+    def stamp(self, stats: StepStats) -> StepStats:
         total = time.perf_counter() - self.began
         stats.comm_wait_s, stats.optimizer_s = self.seconds["comm"], self.seconds["optimizer"]
         stats.forward_backward_s = max(total - stats.comm_wait_s - stats.optimizer_s, 0.0)
@@ -146,41 +147,58 @@ class Engine:
 
         Every rank must call it once per step; ranks may hold different numbers of microbatches.
         """
-        if len(microbatches) == 0:
-            raise ValueError("Engine.step needs at least one microbatch on every rank; got none")
-        # Phase times are host perf_counter readings around calls that already exist: no extra
-        # device sync. On a GPU, kernels still running are charged to the next sync point.
+        if len(microbatches) == 0:  # the other ranks must hear of it in the token count, not wait for us
+            self._count_tokens([])[1]()
+            raise ValueError(f"Engine.step needs at least one microbatch on every rank; rank {get_rank()} got none")
         clock = _PhaseClock()
         microbatches = [self._to_device(inputs, targets) for inputs, targets in microbatches]
         self.strategy.start_step(len(microbatches))
-        global_tokens, count_done = self._count_tokens(microbatches)
+        counts, wait_for_counts = self._count_tokens(microbatches)
+        loss_sum = self._forward_backward(microbatches, counts, wait_for_counts, clock)
+        if loss_sum is None:
+            return clock.stamp(self._skip_empty_step())
+        with clock.phase("optimizer"):
+            grad_norm = self.strategy.clip_grad_norm(self.grad_clip)
+        with clock.phase("comm"):
+            tokens = int(counts[0].item())
+            loss = self._global_loss(loss_sum) / tokens
+        with clock.phase("optimizer"):
+            stats = self._update(loss, tokens, float(grad_norm))
+        return clock.stamp(stats)
+
+    def _forward_backward(self, microbatches: list[Microbatch], counts: torch.Tensor, wait_for_counts,
+                          clock: _PhaseClock) -> torch.Tensor | None:
+        """Backward of each microbatch's sum_token_loss / N_t, non-final ones without gradient sync.
+
+        Returns this rank's loss sum, or None when the global batch has no valid target (N_t = 0,
+        known on every rank at once: nothing was backpropagated)."""
+        global_tokens = counts[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for index, (inputs, targets) in enumerate(microbatches):
-            is_last = index == len(microbatches) - 1
-            with self.strategy.microbatch_context(is_last):
+            with self.strategy.microbatch_context(is_last=index == len(microbatches) - 1):
                 piece = self._forward(inputs, targets)
-                if index == 0:
-                    clock.start("comm")
-                    count_done()
-                    is_empty = global_tokens.item() == 0
-                    clock.stop()
+                if index == 0:  # the count's all-reduce overlapped the first forward; backward needs N_t
+                    with clock.phase("comm"):
+                        wait_for_counts()
+                        if counts[1].item() > 0:
+                            raise ValueError(f"Engine.step needs at least one microbatch on every rank; "
+                                             f"{counts[1].item()} rank(s) got none")
+                        is_empty = global_tokens.item() == 0
                     if is_empty:
-                        return clock.stamp(self._skip_empty_step())
+                        return None
                 loss_sum += piece.detach().double()
                 self.strategy.backward(piece / global_tokens.to(piece.dtype))
-        clock.start("optimizer")
-        grad_norm = self.strategy.clip_grad_norm(self.grad_clip)
-        clock.start("comm")
-        tokens = int(global_tokens.item())
-        loss = self._global_loss(loss_sum) / tokens
-        clock.start("optimizer")
-        if not math.isfinite(float(grad_norm)):
-            return clock.stamp(self._skip_nonfinite(loss, tokens, float(grad_norm)))
+        return loss_sum
+
+    def _update(self, loss: float, tokens: int, grad_norm: float) -> StepStats:
+        """Optimizer step, LR schedule and zero_grad; a skip instead when the norm is not finite."""
+        if not math.isfinite(grad_norm):
+            return self._skip_nonfinite(loss, tokens, grad_norm)
         self.strategy.optimizer_step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.strategy.zero_grad()
-        return clock.stamp(StepStats(loss=loss, tokens=tokens, grad_norm=float(grad_norm)))
+        return StepStats(loss=loss, tokens=tokens, grad_norm=grad_norm)
 
     def _to_device(self, inputs, targets: torch.Tensor) -> Microbatch:
         non_blocking = self.device.type == "cuda"
@@ -191,8 +209,10 @@ class Engine:
         return inputs, targets.to(self.device, non_blocking=non_blocking)
 
     def _count_tokens(self, microbatches: list[Microbatch]):
-        """Start the all-reduce of this rank's valid-token count; return (tensor, wait)."""
-        local = torch.stack([(targets != IGNORE_INDEX).sum() for _, targets in microbatches]).sum()
+        """Start the all-reduce of (valid-token count, ranks without microbatches); return (tensor, wait)."""
+        tokens = sum(((targets != IGNORE_INDEX).sum() for _, targets in microbatches),
+                     torch.zeros((), dtype=torch.int64, device=self.device))
+        local = torch.stack([tokens.to(torch.int64), torch.tensor(int(not microbatches), device=self.device)])
         if not is_distributed():
             return local, lambda: None
         work = dist.all_reduce(local, op=dist.ReduceOp.SUM, async_op=True)
@@ -253,7 +273,3 @@ class Engine:
         self.skipped_steps = state.get("skipped_steps", 0)
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-
-    @property
-    def world_size(self) -> int:
-        return get_world_size()

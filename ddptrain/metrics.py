@@ -15,7 +15,6 @@ import torch
 
 from ddptrain.distributed import is_rank_zero
 from ddptrain.flops import ModelFlops
-from ddptrain.preemption import Preempted
 from ddptrain.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -189,17 +188,26 @@ class MetricsLogger:
             self.progress.update(step, loss if loss is not None and math.isfinite(loss) else None)
 
     def close(self, exit_code: int | None = None) -> None:
-        """Flush and close; `wandb.finish()` always runs, with exit code 1 while an exception is raised."""
+        """Flush and close; `wandb.finish()` always runs, with `exit_code`, by default the process's own."""
         self.progress.close()
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._wandb_run is not None:
             run, self._wandb_run = self._wandb_run, None
-            if exit_code is None:
-                error = sys.exc_info()[1]  # set while close() runs in a `finally` after an exception
-                exit_code = 0 if error is None or isinstance(error, Preempted) else 1
-            run.finish(exit_code=exit_code)
+            run.finish(exit_code=_exit_code_of_current_exception() if exit_code is None else exit_code)
+
+
+def _exit_code_of_current_exception() -> int:
+    """The code the process is leaving with: a SystemExit's own (75 after a preemption checkpoint, 2
+    after a reported bad input), 1 for any other exception, 0 when none is being raised. Called in a
+    `finally`, where sys.exc_info() is the exception on its way out."""
+    error = sys.exc_info()[1]
+    if error is None:
+        return 0
+    if isinstance(error, SystemExit):
+        return error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+    return 1
 
 
 _FORMATS = (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),

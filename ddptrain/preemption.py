@@ -1,18 +1,26 @@
 """Preemption: a signal on any rank makes every rank checkpoint at the next step boundary.
 
 The handler only records the signal (nothing else is safe inside a handler); the trainer asks
-`should_stop()` once per step, a tiny MAX all-reduce, so all ranks agree on the same step and no
-rank is left waiting in a collective.
+`should_stop()` at step boundaries, a tiny MAX all-reduce, so all ranks agree on the same step and
+no rank is left waiting in a collective.
+
+A rank blocked in a collective (a peer hung or died) never reaches that boundary, and a Python
+signal handler does not even run while the main thread waits inside C++. So the signal is also
+written to a wakeup pipe that a watchdog thread reads: if the trainer has not begun its
+preemption checkpoint within `grace_s`, the process exits (128 + signal) instead of ignoring the
+launcher's stop request until it is SIGKILLed. The last complete checkpoint stands.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 
 import torch
 
-from ddptrain.distributed import any_rank
+from ddptrain.distributed import any_rank, get_rank
 
 log = logging.getLogger(__name__)
 
@@ -22,24 +30,63 @@ class Preempted(SystemExit):
 
 
 class PreemptionWatcher:
-    def __init__(self, signal_names: list[str], device: torch.device):
+    def __init__(self, signal_names: list[str], device: torch.device, grace_s: float | None = None):
         self.device = device
+        self.grace_s = grace_s
         self.received: int | None = None
         self._previous = {}
-        for name in signal_names:
-            signum = getattr(signal, name)
+        self._handling = threading.Event()
+        self._closed = threading.Event()
+        self._signals = {getattr(signal, name) for name in signal_names}
+        for signum in self._signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        self._wakeup = None
+        if grace_s is not None and self._signals and threading.current_thread() is threading.main_thread():
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            self._wakeup = (read_fd, write_fd, signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(read_fd,), name="preemption-watchdog", daemon=True).start()
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
+    def _watch(self, read_fd: int) -> None:
+        while not self._closed.is_set():
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            signals = [s for s in data if s in self._signals]
+            if not signals or self._closed.is_set():
+                continue
+            if self._handling.wait(self.grace_s) or self._closed.is_set():
+                return
+            signum = signals[0]
+            log.error("rank %d: %s received, but no step boundary was reached within checkpoint.preempt_grace_s=%gs "
+                      "(stuck in a collective, or a step longer than that); exiting without a checkpoint, the last "
+                      "complete one stands", get_rank(), signal.Signals(signum).name, self.grace_s)
+            logging.shutdown()
+            os._exit(128 + signum)
+
     def should_stop(self) -> bool:
-        return any_rank(self.received is not None, self.device)
+        stop = any_rank(self.received is not None, self.device)
+        if stop:
+            self._handling.set()  # the checkpoint is under way: the watchdog stands down
+        return stop
 
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
 
     def restore(self) -> None:
+        self._closed.set()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self._wakeup is not None:
+            read_fd, write_fd, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write_fd)
+            os.close(read_fd)
+            self._wakeup = None

@@ -1,4 +1,4 @@
-"""Rank-0 progress: a bar with ETA, loss and tokens/s on a terminal; periodic log lines otherwise.
+"""Rank-0 progress: a bar with ETA and loss on a terminal; periodic log lines otherwise.
 
 The bar shares the console log stream (stderr). While the bar is shown, that stream is wrapped so
 that any log record (a checkpoint message, a warning) first clears the bar line, prints, and the
@@ -63,7 +63,7 @@ class Progress:
 
     # -- the bar ---------------------------------------------------------------------------------
 
-    def update(self, step: int, loss: float | None = None, tokens_per_second: float | None = None) -> None:
+    def update(self, step: int, loss: float | None = None) -> None:
         """After every optimizer step; redraws the bar at most every min_interval_s (and at the end)."""
         self._step = step
         if not self.is_bar:
@@ -78,8 +78,6 @@ class Progress:
                  f"{100 * step / self.total_steps:3.0f}%"]
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
-        if tokens_per_second is not None:
-            parts.append(f"{tokens_per_second:,.0f} tok/s")
         eta = self.eta_seconds()
         parts.append(f"ETA {format_duration(eta)}" if eta is not None else "ETA --:--")
         self._text = " | ".join(parts)

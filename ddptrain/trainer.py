@@ -20,14 +20,17 @@ from ddptrain import faults
 from ddptrain.config import TrainConfig, grad_accum_steps
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.data.dataset import TokenExamples
-from ddptrain.distributed import DistInfo, all_reduce_sum, is_rank_zero, Rank0Filter, barrier
+from ddptrain.distributed import DistInfo, Rank0Filter, all_reduce_sum, barrier, is_rank_zero, raise_on_every_rank
 from ddptrain.engine import Engine, StepStats
 from ddptrain.flops import ModelFlops, device_peak_flops
+from ddptrain.fsutil import describe_write_error
 from ddptrain.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
 from ddptrain.models.build import ModelError, accepts_packed_rows, build_model, num_parameters
 from ddptrain.objective import IGNORE_INDEX, Objective, token_loss_sum
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.preemption import Preempted, PreemptionWatcher
+from ddptrain.resume import SCHEDULE_KEYS, check_config, defaults_of, reset_learning_rate
+from ddptrain.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
 from ddptrain.weights import SPEC_FILE, save_final
 
 log = logging.getLogger(__name__)
@@ -48,12 +51,16 @@ class Trainer:
         self.tokens_seen = 0
         self._file_log: logging.Handler | None = None
         self._watcher: PreemptionWatcher | None = None
+        self._lock: RunDirLock | None = None
+        self._config_changes: list = []
 
     # -- build ---------------------------------------------------------------------------------
 
     def build(self) -> "Trainer":
         cfg = self.cfg
+        self._lock_run_dir()
         self._resolve_tokenizer()
+        saved = self._saved_state()
         self._write_run_dir()
         torch.manual_seed(cfg.run.seed)
         self.data = self._build_data()
@@ -78,7 +85,7 @@ class Trainer:
                              lr_scheduler=scheduler, precision=cfg.trainer.precision, nonfinite=cfg.trainer.nonfinite,
                              device=self.dist.device, strategy_options=strategy_options, objective=objective)
         self.optimizer = optimizer
-        resumed = self._resume()
+        resumed = self._resume(saved)
         self._check_horizon(resumed)
         self.metrics = MetricsLogger(self.run_dir, cfg.logger.wandb.mode, cfg.logger.wandb.project,
                                      cfg.logger.wandb.name, OmegaConf.to_container(cfg, resolve=True),
@@ -87,7 +94,8 @@ class Trainer:
                                      window=ThroughputWindow(ModelFlops.of_module(model), device_peak_flops(
                                          self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops),
                                          self.dist.world_size))
-        self._watcher = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device)
+        self._watcher = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device,
+                                          grace_s=cfg.checkpoint.preempt_grace_s)
         self._log_summary()
         return self
 
@@ -321,36 +329,44 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Path:
-        """Collective. Refuses to write non-finite weights (the last good checkpoint stays)."""
-        state = self.trainer_state() if is_rank_zero() else None
-        if state is not None and state["model"] is not None:  # ZeRO skips non-finite updates itself
-            bad = [name for name, value in state["model"].items() if value.is_floating_point()
-                   and not torch.isfinite(value).all()]
-            if bad:
-                raise FloatingPointError(f"step {self.step}: weights {bad[:3]} are not finite; "
-                                         "no checkpoint is written and the previous one is kept")
+        """Collective. Refuses to write non-finite weights (the last good checkpoint stays); an error
+        on any rank (non-finite weights, a full disk) fails every rank at once."""
+        state, error = None, None
+        if is_rank_zero():
+            try:
+                state = self.trainer_state()
+                if state["model"] is not None:  # ZeRO skips non-finite updates itself
+                    _check_finite(state["model"], self.step, "no checkpoint is written and the previous one is kept")
+            except Exception as caught:  # noqa: BLE001 - the other ranks must not wait for rank 0
+                error = caught
+        raise_on_every_rank(error, FloatingPointError)
         step, rank = self.step, self.dist.rank
         failpoint = faults.kill_self if faults.armed("kill_in_checkpoint", step, rank) else None
         strategy = self.engine.strategy if self._sharded else None
         path = ckpt.write_checkpoint(self.run_dir, step, state, strategy=strategy, failpoint=failpoint)
-        ckpt.purge(self.run_dir, self.cfg.checkpoint.keep)
+        ckpt.purge(self.run_dir, self.cfg.checkpoint.keep, protect=path)
         log.info("checkpoint of step %d saved in %s", step, path)
         return path
 
     def save_final(self) -> Path:
         """Collective: gathers the full weights (every strategy) and rank 0 writes run.dir/final/."""
+        if self._final_is_current():  # a preemption right after the last step's save
+            return self.run_dir / "final"
         state = self.engine.model_state_dict()
-        path = self.run_dir / "final"
+        path, error = self.run_dir / "final", None
         if is_rank_zero():
-            bad = [name for name, value in state.items() if value.is_floating_point() and not torch.isfinite(value).all()]
-            if bad:
-                raise FloatingPointError(f"step {self.step}: weights {bad[:3]} are not finite; final weights are not "
-                                         "written and the previous ones are kept")
-            path = save_final(self.run_dir, self.unwrapped_model, state, self.model_spec, self.step,
-                              self._tokenizer_files())
-            log.info("final weights of step %d saved in %s (ddptrain.load_model(%r) reads them)",
-                     self.step, path, str(self.run_dir))
-        barrier()
+            try:
+                _check_finite(state, self.step, "final weights are not written and the previous ones are kept")
+                path = save_final(self.run_dir, self.unwrapped_model, state, self.model_spec, self.step,
+                                  self._tokenizer_files())
+                log.info("final weights of step %d saved in %s (ddptrain.load_model(%r) reads them)",
+                         self.step, path, str(self.run_dir))
+            except FloatingPointError as caught:
+                error = caught
+            except OSError as caught:
+                error = ckpt.CheckpointError(f"final weights of step {self.step} could not be written: "
+                                             f"{describe_write_error(caught, path)}")
+        raise_on_every_rank(error, ckpt.CheckpointError)
         return path
 
     def _tokenizer_files(self) -> list[Path]:
@@ -388,17 +404,45 @@ class Trainer:
                                        f"{self.cfg.trainer.max_steps}; raise trainer.max_steps, or start anew with "
                                        "checkpoint.resume=none or another run.dir")
 
-    def _resume(self) -> dict:
-        """Load the checkpoint that checkpoint.resume names; {} when starting fresh."""
-        path = self._agree_on_checkpoint()
+    def _lock_run_dir(self) -> None:
+        """Rank 0 takes the run dir's lock; a live holder fails every rank at start-up, by name."""
+        error = None
+        if is_rank_zero():
+            try:
+                self._lock = RunDirLock(self.run_dir).acquire()
+            except (RunDirLocked, OSError) as caught:
+                error = caught
+        raise_on_every_rank(error, RunDirLocked)
+
+    def _saved_state(self) -> dict:
+        """The trainer state of the checkpoint to resume from ({} for a fresh start), its config
+        checked against ours. A fresh start moves an earlier run in the run dir aside first."""
+        path = ckpt.agree_on_checkpoint(self.run_dir, self.cfg.checkpoint.resume)
         if path is None:
+            if is_rank_zero():
+                why = ("checkpoint.resume=none" if self.cfg.checkpoint.resume == "none"
+                       else "no complete checkpoint could be resumed")
+                move_previous_run_aside(self.run_dir, why)
+            barrier()
             return {}
         state = ckpt.load_trainer_state(path)
+        state["path"] = path
+        current = OmegaConf.to_container(self.cfg, resolve=True)
+        self._config_changes = check_config(state.get("config", {}), current, defaults_of(TrainConfig))
+        return state
+
+    def _resume(self, state: dict) -> dict:
+        """Load the checkpoint state `_saved_state` found; {} when starting fresh."""
+        if not state:
+            return {}
+        path = state["path"]
         if self._sharded:
             self.engine.strategy.load_checkpoint(path / "strategy")
         else:
             self.engine.strategy.load_model_state_dict(state["model"])
         self.engine.load_state_dict(state["engine"])
+        if any(key in SCHEDULE_KEYS for key, _, _ in self._config_changes):
+            reset_learning_rate(self.engine.lr_scheduler, self.cfg.optim.lr)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         cursor = state["data"]
@@ -410,26 +454,14 @@ class Trainer:
         log.info("resumed from %s at step %d (%d samples seen)", path, self.step, cursor["samples_seen"])
         return state
 
-    def _agree_on_checkpoint(self) -> Path | None:
-        """Rank 0 finds and verifies the checkpoint; every rank uses the same one."""
-        choice: list = [None, None]  # (path, error)
-        if is_rank_zero():
-            try:
-                found = ckpt.resolve_resume(self.run_dir, self.cfg.checkpoint.resume)
-                choice[0] = str(found) if found is not None else None
-            except ckpt.CheckpointError as error:  # every rank must hear of it, not wait
-                choice[1] = str(error)
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if choice[1] is not None:
-            raise ckpt.CheckpointError(f"checkpoint.resume={self.cfg.checkpoint.resume}: {choice[1]}")
-        return Path(choice[0]) if choice[0] is not None else None
-
     # -- close ---------------------------------------------------------------------------------
 
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.restore()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         self.engine = None  # drop the wrapped model before the process group is destroyed
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
@@ -438,3 +470,10 @@ class Trainer:
             logging.getLogger("ddptrain").removeHandler(self._file_log)
             self._file_log.close()
             self._file_log = None
+
+
+def _check_finite(weights: dict[str, torch.Tensor], step: int, consequence: str) -> None:
+    bad = [name for name, value in weights.items() if value.is_floating_point() and not torch.isfinite(value).all()]
+    if bad:
+        raise FloatingPointError(f"step {step}: weights {bad[:3]} are not finite; {consequence}")
+

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -31,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ddptrain.data.sources import DataError
+from ddptrain.fsutil import fsync_file, pid_is_running
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +76,14 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
     if not is_builder:
         return entry, _wait_for(entry, failed, poll_s), False
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f"{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    remove_stale_builds(cache_dir)
+    tmp = cache_dir / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         meta = build(tmp)
         (tmp / _META).write_text(json.dumps(meta, indent=1))
-        _fsync_dir(tmp)
+        for child in tmp.iterdir():
+            fsync_file(child)
         try:
             os.rename(tmp, entry)
         except OSError:  # another node built the same entry first: keep theirs, identical by construction
@@ -102,6 +106,21 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
         raise
 
 
+def remove_stale_builds(cache_dir: Path) -> list[Path]:
+    """Delete the temporary directories of builds on this host whose process is gone (OOM-killed,
+    SIGKILLed: no `except` ran to clean up). Builds on other hosts are left alone."""
+    host = socket.gethostname()
+    removed = []
+    for path in cache_dir.glob(f"*.tmp-{host}-*"):
+        pid = path.name.rsplit(".tmp-", 1)[1][len(host) + 1:].split("-")[0]
+        if pid.isdigit() and not pid_is_running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("data: removed %d temporary director(ies) of dead preprocessing runs, e.g. %s", len(removed), removed[0])
+    return removed
+
+
 def _wait_for(entry: Path, failed: Path, poll_s: float) -> dict:
     started = last_note = time.monotonic()
     while not (entry / _META).is_file():
@@ -117,12 +136,6 @@ def _wait_for(entry: Path, failed: Path, poll_s: float) -> dict:
 
 def _read_meta(entry: Path) -> dict:
     return json.loads((entry / _META).read_text())
-
-
-def _fsync_dir(path: Path) -> None:
-    for child in path.iterdir():
-        with open(child, "rb") as handle:
-            os.fsync(handle.fileno())
 
 
 class TokenWriter:

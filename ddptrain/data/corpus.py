@@ -18,9 +18,10 @@ import numpy as np
 
 from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cache_key, default_cache_dir,
                                  file_stamp, open_tokens)
-from ddptrain.data.dataset import TokenExamples
-from ddptrain.data.sources import (DataError, expand_paths, hf_documents, is_validation, jsonl_documents,
-                                   text_documents, token_documents, token_file)
+from ddptrain.data.dataset import DataSplits, TokenExamples
+from ddptrain.data.sources import (DataError, TextDecoder, expand_paths, hf_documents, is_validation, jsonl_documents,
+                                   text_documents, token_documents, token_file, warn_replaced)
+from ddptrain.data.stdlib import load_stdlib
 from ddptrain.data.tokenizer import ByteTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,6 @@ _CHUNK = 1 << 24  # tokens per pass over a token file (bounded memory for any fi
 
 def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     """DataSplits of a `text | jsonl | tokens | hf` source (see DataConfig), through the cache."""
-    from ddptrain.data import DataSplits, load_stdlib
-
     if data_cfg.name == "stdlib":
         return load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs, load_tokenizer(data_cfg.tokenizer))
     tokenizer = ByteTokenizer() if data_cfg.name == "tokens" else load_tokenizer(data_cfg.tokenizer)
@@ -72,9 +71,7 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     if meta["short_documents"]:
         log.warning("data: skipped %d document(s) shorter than 2 tokens (no input/target pair), e.g. %s",
                     meta["short_documents"], meta["short_example"])
-    if meta.get("replaced_documents"):
-        log.warning("data: %d document(s) had bytes that are not UTF-8, replaced by U+FFFD "
-                    "(data.on_decode_error=replace), e.g. %s", meta["replaced_documents"], meta["replaced_example"])
+    warn_replaced(meta.get("replaced_documents", 0), meta.get("replaced_example"))
     return DataSplits(splits["train"], splits["val"], vocab_size)
 
 
@@ -100,6 +97,10 @@ def _assign_splits(names: list[str], docs: np.ndarray, is_val: np.ndarray, has_v
     if not len(val):
         if has_val_files:
             raise DataError("data.val_paths produced no document of at least 2 tokens")
+        if len(train) < 2:
+            raise DataError(f"the corpus has only {len(train)} usable document (at least 2 tokens), but training needs "
+                            "one to train on and one for validation; add data (data=text data.split_by=paragraph "
+                            "cuts files into more documents) or give data.val_paths")
         train, val = train[:-1], train[-1:]  # tiny corpora still get a validation set
         log.info("data: no document hashed into the validation split; using the last one (%s)", names[-1])
     if not len(train):
@@ -115,13 +116,14 @@ def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path
     dtype = np.uint8 if vocab <= 1 << 8 else np.uint16 if vocab <= 1 << 16 else np.uint32
     writer = TokenWriter(tmp / "tokens.npy", dtype)
     names, docs, is_val = [], [], []
-    stats = {"short_documents": 0, "short_example": None, "replaced_documents": 0, "replaced_example": None}
+    stats = {"short_documents": 0, "short_example": None}
+    decoder = TextDecoder(data_cfg.on_decode_error)  # one count for JSONL lines and tokenizer input alike
     total = sum(p.stat().st_size for p in [*train_files, *val_files] if p.is_file())
     progress = BuildProgress(total, "B", f"preprocessing {data_cfg.name} with tokenizer {tokenizer.name}")
     try:
         batch: list[tuple[str, Any, bool]] = []
-        for name, payload, validation in _documents(data_cfg, train_files, val_files, hf_cache, progress):
-            batch.append((name, _as_input(tokenizer, name, payload, data_cfg.on_decode_error, stats), validation))
+        for name, payload, validation in _documents(data_cfg, train_files, val_files, hf_cache, progress, decoder):
+            batch.append((name, _as_input(tokenizer, name, payload, decoder), validation))
             if len(batch) == _ENCODE_BATCH:
                 _write_batch(tokenizer, writer, batch, names, docs, is_val, stats)
                 batch = []
@@ -134,10 +136,12 @@ def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array)
     ref = {"tokens": {"npy": "tokens.npy"}}
-    return {"train": ref, "val": ref, "tokens": writer.count, **stats}
+    return {"train": ref, "val": ref, "tokens": writer.count, **stats,
+            "replaced_documents": decoder.replaced_documents, "replaced_example": decoder.replaced_example}
 
 
-def _documents(data_cfg, train_files, val_files, hf_cache, progress) -> Iterator[tuple[str, Any, bool]]:
+def _documents(data_cfg, train_files, val_files, hf_cache, progress,
+               decoder: TextDecoder) -> Iterator[tuple[str, Any, bool]]:
     """(name, payload, is validation) of every document, up to data.max_docs."""
     groups = [(train_files, None), (val_files, True)] if val_files else [(train_files, None)]
     count = 0
@@ -145,7 +149,7 @@ def _documents(data_cfg, train_files, val_files, hf_cache, progress) -> Iterator
         if data_cfg.name == "text":
             stream = text_documents(files, data_cfg.split_by)
         elif data_cfg.name == "jsonl":
-            stream = jsonl_documents(files, data_cfg.field, data_cfg.on_decode_error)
+            stream = jsonl_documents(files, data_cfg.field, decoder)
         else:
             stream = hf_documents(files, data_cfg.field, "validation" if validation else "train", hf_cache)
         for name, payload, read in stream:
@@ -157,19 +161,11 @@ def _documents(data_cfg, train_files, val_files, hf_cache, progress) -> Iterator
                 not val_files and is_validation(name, data_cfg.val_percent))
 
 
-def _as_input(tokenizer, name: str, payload, on_decode_error: str, stats: dict):
+def _as_input(tokenizer, name: str, payload, decoder: TextDecoder):
     """What the tokenizer takes: bytes for the byte tokenizer, text (decoded by the policy) otherwise."""
     if not tokenizer.needs_text or isinstance(payload, str):
         return payload
-    try:
-        return payload.decode("utf-8")
-    except UnicodeDecodeError as error:
-        if on_decode_error == "error":
-            raise DataError(f"{name}: bytes that are not UTF-8 at byte {error.start} "
-                            "(data.on_decode_error=error; 'replace' substitutes U+FFFD)") from None
-        stats["replaced_documents"] += 1
-        stats["replaced_example"] = stats["replaced_example"] or name
-        return payload.decode("utf-8", errors="replace")
+    return decoder.decode(name, payload)
 
 
 def _write_batch(tokenizer, writer: TokenWriter, batch, names, docs, is_val, stats) -> None:
@@ -197,14 +193,16 @@ def _build_token_files(tmp: Path, data_cfg: Any, train_files: list[Path], val_fi
     per_group = {}
     try:
         for group, files in groups.items():
-            starts, lengths, offset = [], [], 0
+            kept = _KeptDocuments(data_cfg.max_docs)
+            offset = 0
             writer = TokenWriter(tmp / f"{group}.tokens.npy", data_cfg.dtype) if len(files) > 1 else None
             for path in files:
                 tokens = token_file(path, data_cfg.dtype)
                 file_index = index if group != "val" else None
-                s, n = token_documents(tokens, path, data_cfg.eod_token, file_index, _CHUNK)
-                starts.append(s + offset)
-                lengths.append(n)
+                for starts, lengths in token_documents(tokens, path, data_cfg.eod_token, file_index, _CHUNK):
+                    short = kept.add(starts + offset, lengths)
+                    if short is not None and meta["short_example"] is None:
+                        meta["short_example"] = f"document {short} of {[str(p) for p in files]}"
                 offset += len(tokens)
                 max_id, position = 0, 0
                 for at in range(0, len(tokens), _CHUNK):
@@ -221,24 +219,17 @@ def _build_token_files(tmp: Path, data_cfg: Any, train_files: list[Path], val_fi
                 ref = {"npy": f"{group}.tokens.npy"}
             else:
                 ref = {"file": str(files[0].resolve()), "dtype": data_cfg.dtype}
-            per_group[group] = (ref, np.concatenate(starts), np.concatenate(lengths))
+            meta["short_documents"] += kept.short
+            per_group[group] = (ref, *kept.arrays())
     finally:
         progress.close()
-    docs, names, is_val, refs = [], [], [], {}
-    for group, (ref, starts, lengths) in per_group.items():
+    docs, is_val, refs = [], [], {}
+    for group, (ref, ids, spans) in per_group.items():
         refs[group] = ref
-        kept = np.flatnonzero(lengths >= 2)
-        short = np.flatnonzero(lengths < 2)
-        if data_cfg.max_docs is not None:
-            kept = kept[kept < data_cfg.max_docs]
-            short = short[short < data_cfg.max_docs]
-        meta["short_documents"] += len(short)
-        if len(short) and meta["short_example"] is None:
-            meta["short_example"] = f"document {int(short[0])} of {[str(p) for p in groups[group]]}"
-        docs.append(np.stack([starts[kept], lengths[kept]], axis=1))
-        names.extend(str(i) for i in kept)
-        is_val.append(np.full(len(kept), group == "val") if group != "all" else
-                      np.fromiter((is_validation(str(i), data_cfg.val_percent) for i in kept), bool, len(kept)))
+        docs.append(spans)
+        is_val.append(np.full(len(ids), group == "val") if group != "all" else
+                      np.fromiter((is_validation(str(i), data_cfg.val_percent) for i in ids), bool, len(ids)))
+    names = [str(int(per_group[group][1][-1])) if len(per_group[group][1]) else "" for group in per_group]
     if "all" in refs:
         refs = {"train": refs["all"], "val": refs["all"]}
         splits = _assign_splits(names, docs[0], is_val[0], False)
@@ -252,3 +243,38 @@ def _build_token_files(tmp: Path, data_cfg: Any, train_files: list[Path], val_fi
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array)
     return {"train": {"tokens": refs["train"]}, "val": {"tokens": refs["val"]}, **meta}
+
+
+class _KeptDocuments:
+    """The documents of at least 2 tokens (an input/target pair), gathered piece by piece.
+
+    Only these are kept, as int64 (start, length) pairs with their document number (which the
+    validation split hashes); shorter ones are only counted. Memory is O(kept documents)."""
+
+    def __init__(self, max_docs: int | None):
+        self.max_docs = max_docs
+        self.seen = 0  # documents numbered so far
+        self.short = 0
+        self._ids: list[np.ndarray] = []
+        self._spans: list[np.ndarray] = []
+
+    def add(self, starts: np.ndarray, lengths: np.ndarray) -> int | None:
+        """Keep a piece's usable documents; returns the number of its first short one, if any."""
+        ids = np.arange(self.seen, self.seen + len(starts), dtype=np.int64)
+        self.seen += len(starts)
+        if self.max_docs is not None:
+            inside = ids < self.max_docs
+            ids, starts, lengths = ids[inside], starts[inside], lengths[inside]
+        usable = lengths >= 2
+        self.short += int((~usable).sum())
+        first_short = int(ids[~usable][0]) if not usable.all() else None
+        self._ids.append(ids[usable])
+        self._spans.append(np.stack([starts[usable], lengths[usable]], axis=1).astype(np.int64))
+        return first_short
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(document numbers (D,), (D, 2) start and length)."""
+        if not self._ids:
+            return np.zeros(0, dtype=np.int64), np.zeros((0, 2), dtype=np.int64)
+        return np.concatenate(self._ids), np.concatenate(self._spans)
+

@@ -20,6 +20,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class DataSplits:
+    """What a data source gives the trainer: training and validation examples and the vocabulary size."""
+
+    train: TokenExamples
+    val: TokenExamples
+    vocab_size: int
+
+
+@dataclass
 class TokenExamples:
     """All examples of one split: a flat token array and (start, length) of every example."""
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import sysconfig
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -24,8 +26,52 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 _BLANK_LINES = re.compile(rb"\n[ \t\r\f\v]*\n")
 
 
+log = logging.getLogger(__name__)
+
+
 class DataError(ValueError):
     """Bad input data; the message names the file (and line) and the rule."""
+
+
+@contextmanager
+def still_listed(path: Path) -> Iterator[None]:
+    """Reading a file that was listed (a glob, data.paths): if it is gone by now, a DataError names it."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise DataError(f"{path}: the file vanished after it was listed (deleted or moved during preprocessing)") from None
+
+
+class TextDecoder:
+    """The data.on_decode_error policy for bytes that must become text (JSONL lines; documents for a
+    tokenizer.json): `replace` substitutes U+FFFD and counts the document, `error` stops with a
+    DataError naming the document and where the bad bytes start. One decoder serves a whole build,
+    so its count covers every source."""
+
+    def __init__(self, on_decode_error: str = "replace"):
+        self.on_decode_error = on_decode_error
+        self.replaced_documents = 0
+        self.replaced_example: str | None = None
+
+    def decode(self, name: str, data: bytes, position: str = "byte") -> str:
+        """`data` as text; `position`: report a bad byte by its 0-based `byte` offset or 1-based `column`."""
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            if self.on_decode_error == "error":
+                where = f"column {error.start + 1}" if position == "column" else f"byte {error.start}"
+                raise DataError(f"{name}: bytes that are not UTF-8 at {where} "
+                                "(data.on_decode_error=error; 'replace' substitutes U+FFFD)") from None
+            self.replaced_documents += 1
+            self.replaced_example = self.replaced_example or name
+            return data.decode("utf-8", errors="replace")
+
+
+def warn_replaced(count: int, example: str | None) -> None:
+    """The warning for documents whose undecodable bytes were replaced (data.on_decode_error=replace)."""
+    if count:
+        log.warning("data: %d document(s) had bytes that are not UTF-8, replaced by U+FFFD "
+                    "(data.on_decode_error=replace), e.g. %s", count, example)
 
 
 def stdlib_root() -> Path:
@@ -72,10 +118,8 @@ def expand_paths(patterns: list[str], key: str = "data.paths", allow_dirs: bool 
 
 
 def read_bytes(path: Path) -> bytes:
-    try:
+    with still_listed(path):
         return path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{path}: the file vanished after it was listed (deleted or moved during preprocessing)") from None
 
 
 def text_documents(files: list[Path], split_by: str = "file") -> Iterator[tuple[str, bytes, int]]:
@@ -93,26 +137,19 @@ def text_documents(files: list[Path], split_by: str = "file") -> Iterator[tuple[
             yield str(path), data, len(data)
 
 
-def jsonl_documents(files: list[Path], field: str, on_decode_error: str = "replace") -> Iterator[tuple[str, str, int]]:
+def jsonl_documents(files: list[Path], field: str, decoder: TextDecoder | None = None) -> Iterator[tuple[str, str, int]]:
     """(file:line, text, bytes read): one document per non-blank line, the string at `field`."""
+    decoder = decoder or TextDecoder()
     for path in files:
-        try:
+        with still_listed(path):
             handle = path.open("rb")
-        except FileNotFoundError:
-            raise DataError(f"{path}: the file vanished after it was listed (deleted or moved during preprocessing)") from None
         with handle:
             for number, raw in enumerate(handle, start=1):
                 name = f"{path}:{number}"
                 if not raw.strip():
                     yield name, "", len(raw)  # counted as a too-short document
                     continue
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    if on_decode_error == "error":
-                        raise DataError(f"{name}: bytes that are not UTF-8 at column {error.start + 1} "
-                                        "(data.on_decode_error=error; 'replace' substitutes U+FFFD)") from None
-                    line = raw.decode("utf-8", errors="replace")
+                line = decoder.decode(name, raw, position="column")
                 try:
                     record = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as error:
@@ -129,10 +166,8 @@ def jsonl_documents(files: list[Path], field: str, on_decode_error: str = "repla
 def token_file(path: Path, dtype: str) -> np.ndarray:
     """A flat token file as nanoGPT writes it (`arr.tofile`), memory-mapped read-only."""
     itemsize = np.dtype(dtype).itemsize
-    try:
+    with still_listed(path):
         size = path.stat().st_size
-    except FileNotFoundError:
-        raise DataError(f"{path}: the file vanished after it was listed (deleted or moved during preprocessing)") from None
     if size % itemsize:
         raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens (data.dtype={dtype})")
     if size == 0:
@@ -141,37 +176,48 @@ def token_file(path: Path, dtype: str) -> np.ndarray:
 
 
 def token_documents(tokens: np.ndarray, path: Path, eod_token: int | None, index: Path | None,
-                    chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of the documents of one token file.
+                    chunk: int = 1 << 24) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(starts, lengths) of the documents of one token file, in pieces of at most `chunk` documents.
 
     With `eod_token`, a document ends with (and includes) each end-of-document token, as nanoGPT's
     prepare scripts append one per document; with `index`, a .npy of document start offsets (or
     of boundaries ending with the file's length); with neither, the whole file is one document.
+    The file is scanned `chunk` tokens at a time, so memory stays bounded whatever it holds (a
+    file of nothing but end-of-document tokens is a billion one-token documents).
     """
     total = len(tokens)
-    if index is not None:
-        try:
-            offsets = np.load(index).astype(np.int64).ravel()
-        except FileNotFoundError:
-            raise DataError(f"data.index: {index} does not exist") from None
-        except ValueError as error:
-            raise DataError(f"data.index: {index} is not a .npy array of offsets ({error})") from None
-        if len(offsets) and offsets[-1] == total:
-            offsets = offsets[:-1]
-        if len(offsets) == 0 or offsets[0] != 0 or (np.diff(offsets) <= 0).any() or offsets[-1] >= total:
-            raise DataError(f"data.index: {index} must hold increasing document starts from 0 below the "
-                            f"{total} tokens of {path}")
-        starts = offsets
-    elif eod_token is not None:
-        ends = [np.flatnonzero(tokens[at : at + chunk] == eod_token) + at + 1 for at in range(0, total, chunk)]
-        ends = np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64)
-        starts = np.concatenate([[0], ends[ends < total]]).astype(np.int64)
-    else:
-        starts = np.zeros(1, dtype=np.int64)
     if total == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    lengths = np.diff(np.append(starts, total))
-    return starts, lengths
+        return
+    if index is not None:
+        starts = _index_offsets(index, path, total)
+        yield starts, np.diff(np.append(starts, total))
+    elif eod_token is not None:
+        begin = 0  # start of the document not yet ended
+        for at in range(0, total, chunk):
+            ends = np.flatnonzero(np.asarray(tokens[at : at + chunk]) == eod_token).astype(np.int64) + (at + 1)
+            if len(ends):
+                bounds = np.concatenate([[begin], ends])
+                yield bounds[:-1], np.diff(bounds)
+                begin = int(ends[-1])
+        if begin < total:
+            yield np.array([begin], dtype=np.int64), np.array([total - begin], dtype=np.int64)
+    else:
+        yield np.zeros(1, dtype=np.int64), np.array([total], dtype=np.int64)
+
+
+def _index_offsets(index: Path, path: Path, total: int) -> np.ndarray:
+    try:
+        offsets = np.load(index).astype(np.int64).ravel()
+    except FileNotFoundError:
+        raise DataError(f"data.index: {index} does not exist") from None
+    except ValueError as error:
+        raise DataError(f"data.index: {index} is not a .npy array of offsets ({error})") from None
+    if len(offsets) and offsets[-1] == total:
+        offsets = offsets[:-1]
+    if len(offsets) == 0 or offsets[0] != 0 or (np.diff(offsets) <= 0).any() or offsets[-1] >= total:
+        raise DataError(f"data.index: {index} must hold increasing document starts from 0 below the "
+                        f"{total} tokens of {path}")
+    return offsets
 
 
 def hf_documents(paths: list[Path], field: str, split: str, cache_dir: Path) -> Iterator[tuple[str, str, int]]:

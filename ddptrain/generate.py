@@ -1,0 +1,499 @@
+"""Continuous-batching generation for a trained model, and `python -m ddptrain.generate`.
+
+The scheduler, the paged KV cache and the decoding loop are transformers' own
+(`ContinuousBatchingManager`): every active sequence takes one decoding loop, a new request
+joins at the next iteration, and a finished one leaves at once. ddptrain adds what a server
+needs around it: request rules (`SamplingParams`, `Generator.prepare`), a bound on the
+requests in flight (`QueueFull`), cancellation, stop strings, and per-request sampling.
+
+Per-request sampling: transformers' manager draws every sampled token of a batch with one
+`torch.multinomial`, and its HTTP server fixes temperature and top_p for the whole server from
+the first request. `RequestSampler` (a continuous-batching logits processor) instead draws each
+request's token from that request's own `torch.Generator` (seeded by `seed`) and leaves it as
+the only finite score, so the manager's argmax takes it: a seeded request gives the same text
+alone or among others. Greedy requests (temperature 0) are left untouched: they are the
+manager's plain argmax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import math
+import os
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 4
+MAX_SEED = 2**63 - 1
+
+
+class RequestError(ValueError):
+    """A request breaks a rule; `field` names the request field, the message the value and the rule."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name
+
+
+class QueueFull(RuntimeError):
+    """As many requests as the server holds are already in flight."""
+
+
+class GenerationError(RuntimeError):
+    """The decoding loop failed this request (or died)."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to continue one prompt (OpenAI's completion fields and defaults)."""
+
+    max_tokens: int = 16
+    """Tokens to generate at most (>= 1; prompt + max_tokens must fit the model's context)."""
+    temperature: float = 1.0
+    """Softmax temperature in [0, 2]; 0 is greedy decoding (the most likely token every time)."""
+    top_p: float = 1.0
+    """Nucleus sampling in (0, 1]: draw from the smallest set of tokens holding this much probability."""
+    seed: int | None = None
+    """Seed of this request's own random generator (the same text alone or under load); None: random."""
+    stop: tuple[str, ...] = ()
+    """Up to 4 strings; the completion ends before the first one it produces."""
+
+    def __post_init__(self):
+        rules = (
+            ("max_tokens", _is_integer(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", _is_number(self.temperature) and 0 <= self.temperature <= 2, "a number in [0, 2]"),
+            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("seed", self.seed is None or (_is_integer(self.seed) and 0 <= self.seed <= MAX_SEED),
+             f"null or an integer in [0, {MAX_SEED}]"),
+        )
+        for name, holds, rule in rules:
+            if not holds:
+                raise RequestError(name, f"{name}={getattr(self, name)!r} must be {rule}")
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if not (isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOP_STRINGS
+                and all(isinstance(s, str) and s for s in stop)):
+            raise RequestError("stop", f"stop={self.stop!r} must be a non-empty string or a list of at most "
+                                       f"{MAX_STOP_STRINGS} non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# -- per-request sampling inside the continuous batch --------------------------------------------
+
+
+def _request_sampler_class():
+    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+
+    class RequestSampler(ContinuousBatchingLogitsProcessor):
+        """Draws each sampled request's next token with its own generator; greedy rows pass through.
+
+        The manager gives each request's `logit_processor_kwargs` ({"slot": n}) to
+        `prepare_tensor_args` and the rows of scores in the same order to `__call__`."""
+
+        supported_kwargs = {"slot": int}
+        ignored_kwargs = ()
+
+        def __init__(self):
+            self._slots: dict[int, tuple[float, float, torch.Generator]] = {}
+            self._lock = threading.Lock()
+
+        def add(self, slot: int, params: SamplingParams, device: torch.device) -> None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+            with self._lock:
+                self._slots[slot] = (params.temperature, params.top_p, generator)
+
+        def remove(self, slot: int) -> None:
+            with self._lock:
+                self._slots.pop(slot, None)
+
+        def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+            int32_tensor.fill_(-1)  # no slot: greedy
+
+        def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
+            slots = [r.state.logit_processor_kwargs.get("slot", -1) for r in requests_with_new_token]
+            return torch.tensor(slots, dtype=torch.int32)
+
+        def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+            rows = tensor_arg[: scores.size(0)].tolist()
+            with self._lock:
+                drawn = [(row, self._slots.get(slot)) for row, slot in enumerate(rows) if slot >= 0]
+            for row, sampling in drawn:
+                if sampling is None:  # cancelled between scheduling and this step
+                    continue
+                temperature, top_p, generator = sampling
+                token = _draw(scores[row], temperature, top_p, generator)
+                scores[row] = float("-inf")
+                scores[row, token] = 0.0
+            return scores
+
+    return RequestSampler
+
+
+def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token id from softmax(logits / temperature), restricted to the top_p nucleus."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (V,)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(0) - sorted_probs > top_p  # mass before it already exceeds top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# -- one request ----------------------------------------------------------------------------------
+
+
+class _StopText:
+    """Cuts the text before the first stop string, holding back a tail that could start one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buffer = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was found)."""
+        self.buffer += piece
+        found = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        if found:
+            text, self.buffer = self.buffer[: min(found)], ""
+            return text, True
+        emit = len(self.buffer) - self.hold
+        text, self.buffer = self.buffer[: max(emit, 0)], self.buffer[max(emit, 0):]
+        return text, False
+
+    def flush(self) -> str:
+        text, self.buffer = self.buffer, ""
+        return text
+
+
+@dataclass
+class Completion:
+    """One request in the continuous batch: iterate `deltas()` for its text as it is generated."""
+
+    id: str
+    prompt_tokens: int
+    params: SamplingParams
+    generator: "Generator"
+    slot: int
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    """'stop' (a stop string or the end-of-sequence token) or 'length' (max_tokens), once done."""
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    _outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _done: bool = False
+
+    def _push(self, output) -> None:  # on the event loop, from the dispatcher
+        if self.first_token_at is None and output.generated_tokens:
+            self.first_token_at = time.perf_counter()
+        self._outputs.put_nowait(output)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text pieces in order; when it ends, `finish_reason` and `completion_tokens` are set."""
+        from tokenizers.decoders import DecodeStream
+
+        tokenizer = self.generator.tokenizer
+        stream = DecodeStream([], skip_special_tokens=True)
+        stop = _StopText(self.params.stop)
+        tokens: list[int] = []
+        streamed = ""
+        try:
+            while True:
+                output = await self._outputs.get()
+                if output.error is not None:
+                    raise GenerationError(f"request {self.id} failed: {output.error}")
+                for token in output.generated_tokens[len(tokens):]:
+                    tokens.append(token)
+                    piece = stream.step(tokenizer, token)
+                    if piece:
+                        streamed += piece
+                        text, stopped = stop.feed(piece)
+                        if text:
+                            yield text
+                        if stopped:
+                            self._finish("stop", len(tokens))
+                            return
+                if output.is_finished():
+                    break
+            # Bytes the stream still holds (an unfinished UTF-8 character) decode as U+FFFD, as decode() does.
+            full = tokenizer.decode(tokens, skip_special_tokens=True)
+            tail, stopped = stop.feed(full[len(streamed):] if full.startswith(streamed) else "")
+            tail += "" if stopped else stop.flush()
+            if tail:
+                yield tail
+            is_eos = tokens and tokens[-1] in self.generator.eos_token_ids
+            self._finish("stop" if stopped or is_eos or len(tokens) < self.params.max_tokens else "length",
+                         len(tokens))
+        finally:
+            if not self._done:  # the consumer went away (client disconnected) or an error
+                self.cancel()
+
+    async def text(self) -> str:
+        return "".join([piece async for piece in self.deltas()])
+
+    def _finish(self, reason: str, tokens: int) -> None:
+        self.finish_reason, self.completion_tokens = reason, tokens
+        self.cancel()  # a stop string ends it before the manager does; after the manager's finish, only forgets it
+
+    def cancel(self) -> None:
+        """Stop decoding this request and free its place (idempotent)."""
+        if not self._done:
+            self._done = True
+            self.generator._forget(self)
+
+
+# -- the shared decoding loop ---------------------------------------------------------------------
+
+
+class Generator:
+    """Transformers' continuous batching over one model directory (config.json + tokenizer.json).
+
+    Args:
+        model_dir: a transformers directory; see ddptrain.servable.servable_dir for run directories.
+        max_active: sequences decoded together in one forward pass.
+        max_queue: requests that may wait for a place beyond those; more raise QueueFull.
+        device: where the model runs ("cpu", "cuda", ...; default: cuda if available).
+        kv_cache_mb: upper bound of the paged KV cache (its default size fills free memory on CPU).
+    """
+
+    def __init__(self, model_dir: str | Path, *, max_active: int = 32, max_queue: int = 256,
+                 device: str | None = None, kv_cache_mb: float = 1024.0):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
+        from tokenizers import Tokenizer
+        from transformers import AutoModelForCausalLM
+
+        if max_active < 1 or max_queue < 0:
+            raise ValueError(f"max_active={max_active} must be >= 1 and max_queue={max_queue} >= 0")
+        self.model_dir = Path(model_dir)
+        self.max_active, self.max_queue, self.kv_cache_mb = max_active, max_queue, kv_cache_mb
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype="auto", local_files_only=True)
+        self.model.to(self.device).eval()
+        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        config = self.model.config.get_text_config()
+        self.context: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        eos = self.model.generation_config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.model_name = self.model_dir.resolve().name if self.model_dir.name != "servable" else \
+            self.model_dir.resolve().parent.name
+        self._requests: dict[str, Completion] = {}
+        self._slots = itertools.count()
+        self._manager = None
+        self._sampler = _request_sampler_class()()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dispatcher: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- requests --
+
+    def prepare(self, prompt: str, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or RequestError when the request cannot fit the model."""
+        if not isinstance(prompt, str):
+            raise RequestError("prompt", f"prompt must be a string, not {type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt).ids
+        if not ids:
+            raise RequestError("prompt", "prompt is empty: the model needs at least one token to continue")
+        if self.context is not None:
+            if len(ids) >= self.context:
+                raise RequestError("prompt", f"prompt is {len(ids)} tokens, longer than the model's context of "
+                                             f"{self.context} positions allows (at most {self.context - 1})")
+            if len(ids) + params.max_tokens > self.context:
+                raise RequestError("max_tokens", f"max_tokens={params.max_tokens} with a prompt of {len(ids)} tokens "
+                                                 f"exceeds the model's context of {self.context} positions; "
+                                                 f"max_tokens must be <= {self.context - len(ids)}")
+        return ids
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """Add a request to the running batch (call on the event loop that ran `start`)."""
+        if not self.is_healthy():
+            raise GenerationError("the decoding loop is not running")
+        if len(self._requests) >= self.max_active + self.max_queue:
+            raise QueueFull(f"{len(self._requests)} requests in flight, the most this server holds "
+                            f"(max_active={self.max_active} + max_queue={self.max_queue})")
+        slot = next(self._slots)
+        completion = Completion(f"cmpl-{slot}-{secrets.token_hex(4)}", len(prompt_ids), params, self, slot)
+        kwargs = {}
+        if not params.is_greedy:
+            self._sampler.add(slot, params, self.device)
+            kwargs["slot"] = slot
+        self._requests[completion.id] = completion
+        self._manager.add_request(prompt_ids, request_id=completion.id, max_new_tokens=params.max_tokens,
+                                  streaming=True, **kwargs)
+        return completion
+
+    def _forget(self, completion: Completion) -> None:
+        # Still registered: the manager has not finished it (a stop string, a disconnect), so cancel it there.
+        if self._requests.pop(completion.id, None) is not None and self._manager is not None:
+            self._manager.cancel_request(completion.id)
+        self._sampler.remove(completion.slot)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    # -- lifecycle --
+
+    def start(self) -> "Generator":
+        """Start the decoding loop; call from the event loop that will submit requests."""
+        from transformers import GenerationConfig
+        from transformers.generation.continuous_batching.cb_logits_processors import (
+            ContinuousBatchingLogitsProcessorList)
+        from transformers.generation.logits_process import LogitsProcessorList
+
+        self._loop = asyncio.get_running_loop()
+        eos = sorted(self.eos_token_ids)
+        # do_sample=False: the manager takes the argmax; RequestSampler makes it the drawn token where sampled.
+        generation_config = GenerationConfig(do_sample=False, eos_token_id=eos[0] if len(eos) == 1 else eos or -1)
+        self._manager = self.model.init_continuous_batching(generation_config=generation_config,
+                                                            continuous_batching_config=self._cache_config())
+        processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([self._sampler]))
+        processors.tensors_required = 1  # one int32 row per step: each request's slot
+        self._manager.logit_processor = processors  # before start(): the batch processor is built from it
+        with torch.inference_mode():  # the manager's thread runs in the caller's inference mode
+            self._manager.start()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="ddptrain-generate-dispatch", daemon=True)
+        self._dispatcher.start()
+        return self
+
+    def _cache_config(self):
+        """The paged KV cache sized for max_active full-context sequences, at most kv_cache_mb.
+
+        Left unsized, transformers fills a share of free memory: on CPU that allocated ~1 GiB and
+        took 10-25 s on the first request here."""
+        from transformers import ContinuousBatchingConfig
+
+        config = self.model.config.get_text_config()
+        heads = getattr(config, "num_attention_heads")
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
+        context = self.context or 2048
+        page_size = min(256, context)
+        pages_per_sequence = math.ceil(context / page_size)
+        budget = int(self.kv_cache_mb * 2**20 // (bytes_per_token * page_size))
+        num_blocks = max(pages_per_sequence, min(self.max_active * pages_per_sequence, budget))
+        return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
+                                        max_batch_tokens=max(2 * self.max_active, min(context, 1024)),
+                                        max_requests_per_batch=self.max_active, use_cuda_graph=False)
+
+    def _dispatch(self) -> None:
+        """Moves the manager's outputs to their requests on the event loop, a batch at a time."""
+        manager = self._manager
+        while not self._stopping.is_set():
+            output = manager.get_result(timeout=0.1)
+            if output is None:
+                if not manager.is_running():
+                    self._stopping.wait(0.1)
+                continue
+            batch = [output]
+            while (output := manager.get_result(timeout=0)) is not None:
+                batch.append(output)
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                return
+
+    def _deliver(self, outputs) -> None:
+        for output in outputs:
+            completion = self._requests.get(output.request_id)
+            if completion is None:
+                continue  # cancelled
+            completion._push(output)
+            if output.is_finished():  # the manager is done with it: its place is free now
+                self._requests.pop(completion.id, None)
+                self._sampler.remove(completion.slot)
+
+    def is_healthy(self) -> bool:
+        manager = self._manager
+        return (manager is not None and manager.is_running()
+                and manager.background_thread_status.fatal_error is None)
+
+    def close(self) -> None:
+        """Stop the decoding loop and fail what is still in flight."""
+        self._stopping.set()
+        if self._manager is not None and self._manager.is_running():
+            self._manager.stop(block=True, timeout=10)
+        if self._dispatcher is not None:
+            self._dispatcher.join(timeout=5)
+        self._manager = None
+
+
+# -- python -m ddptrain.generate --------------------------------------------------------------------
+
+
+async def _generate(args) -> int:
+    from ddptrain.servable import servable_dir
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, stop=tuple(args.stop))
+    generator = Generator(servable_dir(args.path), max_active=max(len(args.prompt), 1), device=args.device)
+    prompts = [generator.prepare(prompt, params) for prompt in args.prompt]
+    generator.start()
+    try:
+        completions = [generator.submit(ids, params) for ids in prompts]  # decoded together
+        texts = await asyncio.gather(*(c.text() for c in completions))
+    finally:
+        generator.close()
+    for index, (prompt, text) in enumerate(zip(args.prompt, texts)):
+        if index:
+            print("\n" + "-" * 40)
+        print(prompt + text, end="" if text.endswith("\n") else "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddptrain.generate",
+        description="Continue prompts with a trained model (the serving path: continuous batching, one loop).")
+    parser.add_argument("path", help="a ddptrain run directory or a transformers model directory")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy; at most 2")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    parser.add_argument("--seed", type=int, default=None, help="seed of each prompt's sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop before this string (repeatable)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    args = parser.parse_args(argv)
+    from ddptrain.servable import ServableError
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        sys.exit(asyncio.run(_generate(args)))
+    except RequestError as error:
+        print(f"generate error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except (ServableError, FileNotFoundError) as error:
+        print(f"generate error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

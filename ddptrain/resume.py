@@ -1,0 +1,89 @@
+"""Resuming with a changed config: apply what may change deliberately, refuse the rest by name.
+
+A checkpoint carries the resolved config it was trained with. On resume every difference with the
+new config is either one of the keys below, applied on purpose (the learning rate and schedule,
+the length of the run, logging, evaluation, checkpointing, the layout of ranks and microbatches,
+which the objective does not depend on), or it is refused with the key, the old and the new
+value: a changed model, seed, data, global batch, precision, objective or strategy would silently
+continue another run, or fail deep inside torch or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from ddptrain.checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+
+MAY_CHANGE = (
+    "run.dir", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_examples",
+    "trainer.grad_clip", "trainer.empty_step", "trainer.nonfinite", "optim.lr", "optim.schedule",
+    "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps", "batch.micro_size", "batch.micro_tokens",
+    "data.cache_dir", "logger", "checkpoint", "dist", "strategy.bucket_cap_mb", "strategy.find_unused_parameters",
+)
+"""Keys (or whole sections) that may differ from the checkpoint's config."""
+
+SCHEDULE_KEYS = ("optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps",
+                 "trainer.max_steps")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat if flat or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
+def _may_change(key: str) -> bool:
+    return any(key == allowed or key.startswith(allowed + ".") for allowed in MAY_CHANGE)
+
+
+def config_changes(saved: dict, current: dict, defaults: dict) -> list[tuple[str, Any, Any]]:
+    """(key, old, new) for every key whose value differs. A key the checkpoint does not have
+    (written by an older ddptrain) counts as its default."""
+    old, new = _flatten(saved), _flatten(current)
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        before = old.get(key, defaults.get(key))
+        after = new.get(key, defaults.get(key))
+        if before != after:
+            changes.append((key, before, after))
+    return changes
+
+
+def check_config(saved: dict, current: dict, defaults: dict) -> list[tuple[str, Any, Any]]:
+    """The changes to apply; raises CheckpointError listing every change that may not be made."""
+    changes = config_changes(saved, current, defaults)
+    refused = [change for change in changes if not _may_change(change[0])]
+    if refused:
+        lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
+        hint = ""
+        if any(key == "strategy.name" for key, _, _ in refused):
+            hint = (" A checkpoint's optimizer state is in its strategy's own format (DeepSpeed shards for zero*), so "
+                    "ddp <-> zero conversion is not supported: resume with the original strategy.")
+        raise CheckpointError(f"the config differs from the checkpoint's in keys that cannot change on resume: {lines}.{hint}"
+                              " Resume with the checkpoint's values, or start a new run (another run.dir, or "
+                              f"checkpoint.resume=none). Keys that may change: {', '.join(MAY_CHANGE)}")
+    for key, old, new in changes:
+        log.info("resume: %s changed from %r to %r (applied)", key, old, new)
+    return changes
+
+
+def defaults_of(schema) -> dict[str, Any]:
+    return _flatten(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
+
+
+def reset_learning_rate(scheduler, lr: float) -> None:
+    """After loading a scheduler's state: make `lr` the peak rate and recompute this step's rate
+    from the new schedule (the saved state would keep the old ones)."""
+    scheduler.base_lrs = [lr] * len(scheduler.optimizer.param_groups)
+    step = scheduler.last_epoch
+    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base_lr
+        group["lr"] = base_lr * factor(step)
