@@ -4,10 +4,11 @@ complete one; verify checksums on load and fall back to the previous one when a 
 Layout of one checkpoint (a directory under `<run.dir>/checkpoints/`):
 
     step_00000100/
-        trainer.pt        model, optimizer, scheduler, engine counters, step, cursor, logger id,
-                          resolved config (rank 0 writes: DDP weights are the same on every rank)
+        trainer.pt        scheduler, engine counters, step, cursor, logger id, resolved config,
+                          model spec (rank 0 writes)
         rng_rank{r}.pt    python, numpy, torch CPU and CUDA RNG states of rank r
-        strategy/         a strategy's own sharded files (DeepSpeed ZeRO), when it has them
+        strategy/         weights and optimizer state in the strategy's own format (Engine.save):
+                          ddp model.pt + optimizer.pt, zero* DeepSpeed's, fsdp a DCP directory
         COMPLETE.json     written last: the step and a sha256 of every file above
 
 A directory becomes visible under its final name only after every rank has written and the
@@ -82,12 +83,12 @@ def _shares(files: list[Path], world_size: int) -> list[list[Path]]:
     return shares
 
 
-def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None, strategy=None,
+def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None, save_state=None,
                      failpoint=None) -> Path:
     """Collective: every rank calls it. Returns the final directory.
 
-    `trainer_state` is written by rank 0 (None elsewhere is fine). A strategy with
-    `save_checkpoint(dir)` (DeepSpeed) writes its own shards under `strategy/` on every rank.
+    `trainer_state` is written by rank 0 (None elsewhere is fine). `save_state(dir)` (Engine.save:
+    the strategy's weights and optimizer state, each rank its part) is called on every rank with `strategy/`.
     Every rank then fsyncs and hashes its share of the files (balanced by size, so no rank reads
     everything); rank 0 gathers the digests and writes the marker. An error on any rank (a full
     disk) fails every rank at once, names the path and the cause, removes the temporary directory
@@ -118,8 +119,8 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
         if is_rank_zero() and trainer_state is not None:
             save_torch(trainer_state, tmp / "trainer.pt")
         save_torch(rng_state(), tmp / f"rng_rank{get_rank()}.pt")
-        if strategy is not None and hasattr(strategy, "save_checkpoint"):
-            strategy.save_checkpoint(tmp / "strategy")
+        if save_state is not None:
+            save_state(tmp / "strategy")
         if failpoint is not None:
             failpoint()
     except Exception as caught:  # noqa: BLE001 - any write error must reach every rank

@@ -48,6 +48,10 @@ class TrainerConfig:
     """Validation loss every this many steps (0: only after the last step)."""
     eval_examples: int = 64
     """Size of the fixed validation set (examples taken from the validation split)."""
+    compile: bool = False
+    """torch.compile each transformer block (start-up: tens of seconds of compiling on the first steps)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in backward instead of keeping its activations (less memory, more compute)."""
 
 
 @dataclass
@@ -160,18 +164,6 @@ class DataConfig:
 
 
 @dataclass
-class StrategyConfig:
-    name: str = "ddp"
-    """ddp | zero1 | zero2 | zero3"""
-    bucket_cap_mb: float = 25.0
-    """DDP gradient bucket size."""
-    find_unused_parameters: bool = False
-    """DDP: allow parameters that get no gradient in a step."""
-    deepspeed: dict = field(default_factory=dict)
-    """Extra DeepSpeed config keys (ZeRO strategies only), checked against ours."""
-
-
-@dataclass
 class WandbConfig:
     mode: str = "disabled"
     """online | offline | disabled"""
@@ -223,7 +215,8 @@ class TrainConfig:
     """Checked against MODEL_SCHEMAS[model.name] by `validate` (a `_target_` factory takes any keys)."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    strategy: Any = field(default_factory=dict)
+    """`name` (a key of ddptrain.strategies.REGISTRY) and that strategy's own Options, checked by `validate`."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -243,7 +236,6 @@ _CHOICES = {
     "data.split_by": ("file", "paragraph"),
     "data.on_decode_error": ("replace", "error"),
     "data.dtype": ("uint16", "uint32"),
-    "strategy.name": ("ddp", "zero1", "zero2", "zero3"),
     "logger.wandb.mode": ("online", "offline", "disabled"),
     "logger.progress": ("auto", "bar", "lines"),
 }
@@ -307,9 +299,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"checkpoint.preempt_grace_s={cfg.checkpoint.preempt_grace_s!r} must be > 0")
     if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
         raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
-    if cfg.strategy.name != "ddp" and cfg.trainer.precision == "fp64":
-        raise ConfigError(f"trainer.precision='fp64' is not supported with strategy={cfg.strategy.name} "
-                          "(DeepSpeed ZeRO trains fp32 or bf16); use strategy=ddp for fp64")
+    _validate_strategy(cfg.strategy, cfg.trainer.precision)
     _validate_model(cfg.model)
     if not 0 <= cfg.objective.label_smoothing < 1:
         raise ConfigError(f"objective.label_smoothing={cfg.objective.label_smoothing!r} must be in [0, 1)")
@@ -317,10 +307,6 @@ def _validate_values(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be >= 0")
     batch = cfg.batch
     if batch.micro_tokens is not None or batch.pack:
-        if cfg.strategy.name != "ddp":
-            raise ConfigError(f"batch.micro_tokens / batch.pack give ranks different numbers of microbatches, which "
-                              f"strategy={cfg.strategy.name} (DeepSpeed, fixed accumulation steps) cannot run; "
-                              "use strategy=ddp or batch.micro_size without packing")
         if batch.micro_tokens is not None and batch.micro_tokens < batch.seq_len:
             raise ConfigError(f"batch.micro_tokens={batch.micro_tokens} must be >= batch.seq_len={batch.seq_len} "
                               "(a microbatch holds at least one full sequence)")
@@ -355,8 +341,8 @@ def check_known_keys(cfg: Any, schema=None, prefix: str = "") -> None:
         if key not in known:
             raise _unknown_key_error(str(key), known, prefix)
         field_type = types[key]
-        if prefix == "" and key == "model":
-            continue  # _validate_model
+        if prefix == "" and key in ("model", "strategy"):
+            continue  # checked per kind: _validate_model, _validate_strategy
         if dataclasses.is_dataclass(field_type) and isinstance(cfg[key], DictConfig):
             check_known_keys(cfg[key], field_type, f"{prefix}{key}.")
 
@@ -390,6 +376,33 @@ def _validate_model(model: Any) -> None:
             raise ConfigError(f"model.dropout={typed.dropout!r} must be in [0, 1)")
     if name == "hf" and typed.attn_implementation not in ("sdpa", "eager"):
         raise ConfigError(f"model.attn_implementation={typed.attn_implementation!r} is not one of sdpa, eager")
+
+
+def _validate_strategy(strategy: Any, precision: str) -> None:
+    from ddptrain.strategies import STRATEGY_NAMES, strategy_class
+
+    name = strategy.get("name")
+    if name not in STRATEGY_NAMES:
+        raise ConfigError(f"strategy.name={name!r} is not one of {', '.join(STRATEGY_NAMES)}")
+    cls = strategy_class(name)
+    options = {key: value for key, value in strategy.items() if key != "name"}
+    known = [f.name for f in dataclasses.fields(cls.Options)]
+    for key in options:
+        if key not in known:
+            raise _unknown_key_error(str(key), ["name", *known], "strategy.")
+    try:
+        OmegaConf.merge(OmegaConf.structured(cls.Options), options)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"strategy.{error.full_key}: {str(error).splitlines()[0]} (strategy={name})") from None
+    if precision not in cls.supported_precisions:
+        raise ConfigError(f"trainer.precision={precision} is not supported with strategy={name} (it supports "
+                          f"{', '.join(cls.supported_precisions)})")
+
+
+def strategy_options(strategy: Any) -> dict:
+    """The strategy section's own options (everything but `name`), as plain values."""
+    section = OmegaConf.to_container(strategy, resolve=True) if isinstance(strategy, DictConfig) else dict(strategy)
+    return {key: value for key, value in section.items() if key != "name"}
 
 
 def _validate_data(data: Any) -> None:

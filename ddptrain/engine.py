@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.distributed import get_rank, init_distributed, is_distributed
+from ddptrain.distributed import get_rank, get_world_size, init_distributed, is_distributed
 from ddptrain.models.build import logits_of
 from ddptrain.objective import IGNORE_INDEX, Objective
 from ddptrain.strategies import Strategy, build_strategy
@@ -49,6 +49,9 @@ class StepStats:
     """True when no update was applied (no valid tokens, or a non-finite gradient norm)."""
     reason: str = ""
     """Why the step was skipped: 'no_valid_tokens' or 'nonfinite'."""
+    filler_microbatches: int = 0
+    """Microbatches without targets that ranks with fewer microbatches ran to keep a strategy's
+    per-microbatch collectives in step (all ranks together)."""
     forward_backward_s: float = 0.0
     """Host seconds in forward and backward passes (DDP's overlapped gradient all-reduce included)."""
     comm_wait_s: float = 0.0
@@ -89,7 +92,8 @@ class Engine:
     Args:
         model: an nn.Module mapping inputs to logits aligned with targets, (B, T) -> (B, T, V).
         optimizer: a torch optimizer over `model`'s parameters (None if the strategy builds one).
-        strategy: "ddp" | "zero1" | "zero2" | "zero3", or a Strategy instance.
+        strategy: a name of ddptrain.strategies.STRATEGY_NAMES ("ddp", "zero1", "zero2", "zero3",
+            "fsdp"), or a Strategy instance.
         grad_clip: clip the global gradient norm to this value after normalisation (None: no clip).
         lr_scheduler: stepped once after every applied optimizer step.
         precision: "fp32" | "fp64" (the model is cast) | "bf16" (autocast).
@@ -152,18 +156,28 @@ class Engine:
             raise ValueError(f"Engine.step needs at least one microbatch on every rank; rank {get_rank()} got none")
         clock = _PhaseClock()
         microbatches = [self._to_device(inputs, targets) for inputs, targets in microbatches]
-        self.strategy.start_step(len(microbatches))
         counts, wait_for_counts = self._count_tokens(microbatches)
+        fillers = 0
+        if self.strategy.communicates_every_microbatch and is_distributed():
+            with clock.phase("comm"):  # the strategy's collectives need every rank in every microbatch
+                wait_for_counts()
+                per_rank = counts[2:].tolist()
+            if min(per_rank) == 0:
+                raise ValueError(f"Engine.step needs at least one microbatch on every rank; "
+                                 f"{per_rank.count(0)} rank(s) got none")
+            microbatches = microbatches + [_filler(*microbatches[0])] * (max(per_rank) - len(microbatches))
+            fillers = sum(max(per_rank) - count for count in per_rank)
         loss_sum = self._forward_backward(microbatches, counts, wait_for_counts, clock)
         if loss_sum is None:
             return clock.stamp(self._skip_empty_step())
         with clock.phase("optimizer"):
-            grad_norm = self.strategy.clip_grad_norm(self.grad_clip)
+            grad_norm, applied = self.strategy.finish_step(self.grad_clip)
         with clock.phase("comm"):
             tokens = int(counts[0].item())
             loss = self._global_loss(loss_sum) / tokens
         with clock.phase("optimizer"):
-            stats = self._update(loss, tokens, float(grad_norm))
+            stats = self._update(loss, tokens, float(grad_norm), applied)
+        stats.filler_microbatches = fillers
         return clock.stamp(stats)
 
     def _forward_backward(self, microbatches: list[Microbatch], counts: torch.Tensor, wait_for_counts,
@@ -190,11 +204,11 @@ class Engine:
                 self.strategy.backward(piece / global_tokens.to(piece.dtype))
         return loss_sum
 
-    def _update(self, loss: float, tokens: int, grad_norm: float) -> StepStats:
-        """Optimizer step, LR schedule and zero_grad; a skip instead when the norm is not finite."""
-        if not math.isfinite(grad_norm):
+    def _update(self, loss: float, tokens: int, grad_norm: float, applied: bool) -> StepStats:
+        """LR schedule and zero_grad after the strategy's update; a skip when it applied none
+        (a non-finite norm: global, so the same on every rank)."""
+        if not applied:
             return self._skip_nonfinite(loss, tokens, grad_norm)
-        self.strategy.optimizer_step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.strategy.zero_grad()
@@ -209,10 +223,13 @@ class Engine:
         return inputs, targets.to(self.device, non_blocking=non_blocking)
 
     def _count_tokens(self, microbatches: list[Microbatch]):
-        """Start the all-reduce of (valid-token count, ranks without microbatches); return (tensor, wait)."""
-        tokens = sum(((targets != IGNORE_INDEX).sum() for _, targets in microbatches),
-                     torch.zeros((), dtype=torch.int64, device=self.device))
-        local = torch.stack([tokens.to(torch.int64), torch.tensor(int(not microbatches), device=self.device)])
+        """Start the all-reduce of [valid tokens, ranks without microbatches, microbatches of each
+        rank] (one small SUM); return (tensor, wait)."""
+        local = torch.zeros(2 + get_world_size(), dtype=torch.int64, device=self.device)
+        for _, targets in microbatches:
+            local[0] += (targets != IGNORE_INDEX).sum()
+        local[1] = int(not microbatches)
+        local[2 + get_rank()] = len(microbatches)
         if not is_distributed():
             return local, lambda: None
         work = dist.all_reduce(local, op=dist.ReduceOp.SUM, async_op=True)
@@ -263,13 +280,41 @@ class Engine:
         return self.strategy.model_state_dict()
 
     def state_dict(self) -> dict:
-        state = {"strategy": self.strategy.state_dict(), "skipped_steps": self.skipped_steps}
+        """Everything needed to resume, in memory: optimizer state, LR schedule and counters.
+        A strategy that shards its optimizer state raises instead (use `save` / `load`)."""
+        return {"strategy": self.strategy.state_dict(), **self.progress_state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.strategy.load_state_dict(state["strategy"])
+        self.load_progress_state_dict(state)
+
+    def progress_state_dict(self) -> dict:
+        """The LR schedule and the skipped-step count: what `save` does not hold."""
+        state: dict = {"skipped_steps": self.skipped_steps}
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.strategy.load_state_dict(state["strategy"])
+    def load_progress_state_dict(self, state: dict) -> None:
         self.skipped_steps = state.get("skipped_steps", 0)
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def save(self, directory: str | Path) -> None:
+        """Collective: the strategy writes weights and optimizer state to `directory` (each rank its part)."""
+        self.strategy.save(Path(directory))
+
+    def load(self, directory: str | Path) -> None:
+        """Collective: restore what `save` wrote (sharded strategies may reshard to this world size)."""
+        self.strategy.load(Path(directory))
+
+
+def _filler(inputs, targets: torch.Tensor) -> Microbatch:
+    """The smallest microbatch shaped like a real one: one token, its target ignored. Its forward and
+    backward run every collective of the strategy and add nothing to the loss or the gradient."""
+    if isinstance(inputs, dict):
+        inputs = {key: value[:1, :1] for key, value in inputs.items()}
+    else:
+        inputs = inputs[:1, :1]
+    return inputs, torch.full_like(targets[:1, :1], IGNORE_INDEX)
+

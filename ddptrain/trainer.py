@@ -17,7 +17,7 @@ from torch import nn
 
 from ddptrain import checkpoint as ckpt
 from ddptrain import faults
-from ddptrain.config import TrainConfig, grad_accum_steps
+from ddptrain.config import TrainConfig, grad_accum_steps, strategy_options
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.distributed import DistInfo, Rank0Filter, all_reduce_sum, barrier, is_rank_zero, raise_on_every_rank
@@ -49,6 +49,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.step = 0
         self.tokens_seen = 0
+        self.filler_microbatches = 0  # run by ranks with fewer microbatches (strategies that need them)
         self._file_log: logging.Handler | None = None
         self._watcher: PreemptionWatcher | None = None
         self._lock: RunDirLock | None = None
@@ -72,18 +73,15 @@ class Trainer:
         optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas))
         scheduler = build_scheduler(optimizer, cfg.optim.schedule, cfg.optim.warmup_steps, self.decay_steps,
                                     cfg.optim.min_lr_ratio)
-        if cfg.strategy.name == "ddp":
-            strategy_options = {"bucket_cap_mb": cfg.strategy.bucket_cap_mb,
-                                "find_unused_parameters": cfg.strategy.find_unused_parameters}
-        else:  # zero1 | zero2 | zero3: DeepSpeed's config is derived from ours, so they cannot disagree
-            strategy_options = {"micro_batch_size": cfg.batch.micro_size,
-                                "grad_accum_steps": grad_accum_steps(cfg.batch.global_size, cfg.batch.micro_size,
-                                                                     self.dist.world_size),
-                                "deepspeed": OmegaConf.to_container(cfg.strategy.deepspeed, resolve=True)}
+        varies = cfg.batch.micro_tokens is not None or cfg.batch.pack  # microbatches per step vary by step and rank
+        layout = {"micro_batch_size": cfg.batch.micro_size,
+                  "grad_accum_steps": 1 if varies else grad_accum_steps(cfg.batch.global_size, cfg.batch.micro_size,
+                                                                        self.dist.world_size)}
         objective = Objective(label_smoothing=cfg.objective.label_smoothing, z_loss=cfg.objective.z_loss)
         self.engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip,
                              lr_scheduler=scheduler, precision=cfg.trainer.precision, nonfinite=cfg.trainer.nonfinite,
-                             device=self.dist.device, strategy_options=strategy_options, objective=objective)
+                             device=self.dist.device, strategy_options={**strategy_options(cfg.strategy), **layout},
+                             objective=objective)
         self.optimizer = optimizer
         resumed = self._resume(saved)
         self._check_horizon(resumed)
@@ -217,6 +215,7 @@ class Trainer:
             self.metrics.window.add(stats, data_wait_s, self.train_batches.global_shapes(self.step))
             self.step += 1
             self.tokens_seen += stats.tokens
+            self.filler_microbatches += stats.filler_microbatches
             self.metrics.step_done(self.step, stats.loss)
             is_last = self.step == cfg.max_steps
             val_loss = None
@@ -275,6 +274,7 @@ class Trainer:
             **self.metrics.window.summary(),
             "peak_memory_bytes": peak_memory_bytes(self.dist.device),
             "skipped_steps": self.engine.skipped_steps,
+            "filler_microbatches": self.filler_microbatches,
             "samples_seen": self.train_batches.plan.samples_seen(self.step),
         }
         if val_loss is not None:
@@ -310,17 +310,12 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    @property
-    def _sharded(self) -> bool:
-        """True when the strategy saves its own (sharded) model and optimizer files (ZeRO)."""
-        return hasattr(self.engine.strategy, "save_checkpoint")
-
     def trainer_state(self) -> dict:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "model": None if self._sharded else self.engine.model_state_dict(),
-            "engine": self.engine.state_dict(),
+            "filler_microbatches": self.filler_microbatches,
+            "engine": self.engine.progress_state_dict(),  # weights and optimizer: the strategy's own files
             "data": self.train_batches.state_dict(self.step),
             "wandb_run_id": self.metrics.run_id,
             "world_size": self.dist.world_size,
@@ -335,15 +330,12 @@ class Trainer:
         if is_rank_zero():
             try:
                 state = self.trainer_state()
-                if state["model"] is not None:  # ZeRO skips non-finite updates itself
-                    _check_finite(state["model"], self.step, "no checkpoint is written and the previous one is kept")
             except Exception as caught:  # noqa: BLE001 - the other ranks must not wait for rank 0
                 error = caught
-        raise_on_every_rank(error, FloatingPointError)
+        raise_on_every_rank(error)
         step, rank = self.step, self.dist.rank
         failpoint = faults.kill_self if faults.armed("kill_in_checkpoint", step, rank) else None
-        strategy = self.engine.strategy if self._sharded else None
-        path = ckpt.write_checkpoint(self.run_dir, step, state, strategy=strategy, failpoint=failpoint)
+        path = ckpt.write_checkpoint(self.run_dir, step, state, save_state=self.engine.save, failpoint=failpoint)
         ckpt.purge(self.run_dir, self.cfg.checkpoint.keep, protect=path)
         log.info("checkpoint of step %d saved in %s", step, path)
         return path
@@ -436,15 +428,16 @@ class Trainer:
         if not state:
             return {}
         path = state["path"]
-        if self._sharded:
-            self.engine.strategy.load_checkpoint(path / "strategy")
-        else:
-            self.engine.strategy.load_model_state_dict(state["model"])
-        self.engine.load_state_dict(state["engine"])
+        try:
+            self.engine.load(path / "strategy")
+        except (ValueError, FileNotFoundError) as error:  # a checkpoint this world or strategy cannot read
+            raise ckpt.CheckpointError(f"{path}: {error}") from error
+        self.engine.load_progress_state_dict(state["engine"])
         if any(key in SCHEDULE_KEYS for key, _, _ in self._config_changes):
             reset_learning_rate(self.engine.lr_scheduler, self.cfg.optim.lr)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
+        self.filler_microbatches = state.get("filler_microbatches", 0)
         cursor = state["data"]
         if cursor["samples_seen"] != self.train_batches.plan.samples_seen(self.step):
             raise ckpt.CheckpointError(f"{path}: data cursor {cursor['samples_seen']} does not match step {self.step} "

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ddptrain.models.build import ModelSpec, rebuild_model
+from ddptrain.strategies import strategy_class
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +126,7 @@ def _load_from_checkpoint(path: Path) -> nn.Module:
         raise RuntimeError(f"{path} was written by an older ddptrain without a model spec; it cannot be loaded "
                            "as a model (resume training to write final/)")
     spec = ModelSpec.from_dict(state["model_spec"])
-    weights = state["model"]
-    if weights is None:  # DeepSpeed ZeRO: the strategy's own shards
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(path / "strategy"), tag="zero")
+    weights = strategy_class(state["config"]["strategy"]["name"]).read_full_weights(path / "strategy")
     model = rebuild_model(spec)
     _load_state(model, weights, spec, path)
     return model

@@ -25,7 +25,7 @@ RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2
 
 
 def final_weights(run_dir, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / ckpt.step_name(step) / "trainer.pt", weights_only=False)["model"]
+    return torch.load(run_dir / "checkpoints" / ckpt.step_name(step) / "strategy" / "model.pt", weights_only=True)
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:

@@ -189,9 +189,9 @@ def test_a_target_factory_model_trains_exactly_and_reloads(tmp_path):
     assert type(model).__name__ == "CausalConvLM" and model.embed.embedding_dim == 24
     spec = json.loads((run_dir / "final" / "ddptrain_model.json").read_text())
     assert spec["kind"] == "custom" and spec["step"] == 4
-    checkpoint = torch.load(run_dir / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=False)
+    checkpoint = torch.load(run_dir / "checkpoints" / "step_00000004" / "strategy" / "model.pt", weights_only=True)
     for name, value in model.state_dict().items():
-        assert torch.equal(value, checkpoint["model"][name]), name
+        assert torch.equal(value, checkpoint[name]), name
 
 
 # -- final weights, re-runs -----------------------------------------------------------------------

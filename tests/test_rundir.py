@@ -248,19 +248,17 @@ def test_each_rank_hashes_a_balanced_share_and_a_step_is_written_once(tmp_path):
     assert max(sizes) < 0.75 * sum(sizes), sizes
 
 
-class _TwoFileStrategy:
-    """Stands in for a strategy that writes its own files on every rank."""
+def _save_shard(directory) -> None:
+    """Stands in for a strategy that writes its own file on every rank."""
+    from ddptrain.distributed import get_rank
 
-    def save_checkpoint(self, directory):
-        from ddptrain.distributed import get_rank
-
-        directory.parent.joinpath(f"big_rank{get_rank()}.pt").write_bytes(os.urandom(200_000))
+    directory.parent.joinpath(f"big_rank{get_rank()}.pt").write_bytes(os.urandom(200_000))
 
 
 def _write_twice(tmp: str) -> None:
-    first = ckpt.write_checkpoint(tmp, 3, {"step": 3}, strategy=_TwoFileStrategy())
+    first = ckpt.write_checkpoint(tmp, 3, {"step": 3}, save_state=_save_shard)
     stamp = (first / ckpt.MARKER).stat().st_mtime_ns
-    again = ckpt.write_checkpoint(tmp, 3, {"step": 3}, strategy=_TwoFileStrategy())
+    again = ckpt.write_checkpoint(tmp, 3, {"step": 3}, save_state=_save_shard)
     assert again == first and (first / ckpt.MARKER).stat().st_mtime_ns == stamp, "the same step is not rewritten"
 
 

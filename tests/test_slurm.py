@@ -136,6 +136,20 @@ def test_cluster_runs_a_job_on_both_nodes(slurm_env, tmp_path):
     assert sorted(ran.stdout.split()) == ["node1", "node2"]
 
 
+def test_local_cluster_refuses_a_controller_that_is_not_its_own(slurm_env, tmp_path):
+    """Another cluster's controller on the same port (here: this script's own, run with another
+    DDPTRAIN_SLURM_DIR) must be refused before /etc is touched, not silently used."""
+    linked = os.path.realpath("/etc/slurm/slurm.conf")
+    other = tmp_path / "other-slurm"
+    started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], capture_output=True, text=True, timeout=120,
+                             env={**slurm_env, "DDPTRAIN_SLURM_DIR": str(other)})
+    assert started.returncode != 0, started.stderr
+    assert (f"a Slurm controller that is not this cluster's answers on port 6817 (cluster ddptrain, config "
+            f"{SLURM_CONF}; ours: cluster ddptrain, config {other}/etc/slurm.conf)") in started.stderr, started.stderr
+    assert os.path.realpath("/etc/slurm/slurm.conf") == linked
+    assert not list((other / "run").glob("*.pid")), "no daemon of the refused cluster may start"
+
+
 @pytest.mark.parametrize(
     ("template", "nproc_per_node", "nodes"),
     [("single_node.sbatch", "2", 1), ("multi_node.sbatch", "1", 2)],
@@ -208,7 +222,7 @@ def final_model_state(run_dir: Path) -> tuple[int, dict]:
     latest = find_latest(run_dir)
     assert latest is not None, f"no complete checkpoint in {run_dir}"
     state = load_trainer_state(latest)
-    return state["step"], state["model"]
+    return state["step"], torch.load(latest / "strategy" / "model.pt", weights_only=True)
 
 
 @pytest.mark.skipif(not _has_checkpointing(),

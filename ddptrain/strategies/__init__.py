@@ -1,23 +1,40 @@
-"""Strategies wrap a model for data parallelism: DDP here, DeepSpeed ZeRO imported lazily."""
+"""The strategies, one file each, by name: the one place that lists them.
+
+Adding a strategy is its own file plus one line here (and its `conf/strategy/<name>.yaml`).
+Each is imported only when asked for, so DeepSpeed stays an optional dependency.
+"""
 
 from __future__ import annotations
 
-from ddptrain.strategies.base import Strategy
+import dataclasses
+import importlib
 
-STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3")
+from ddptrain.strategies.base import StepLayout, Strategy
+
+REGISTRY = {
+    "ddp": "ddptrain.strategies.ddp:DDPStrategy",
+    "zero1": "ddptrain.strategies.deepspeed:ZeRO1",
+    "zero2": "ddptrain.strategies.deepspeed:ZeRO2",
+    "zero3": "ddptrain.strategies.deepspeed:ZeRO3",
+    "fsdp": "ddptrain.strategies.fsdp:FSDPStrategy",
+}
+STRATEGY_NAMES = tuple(REGISTRY)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The class registered as `name` (its module imported now)."""
+    if name not in REGISTRY:
+        raise ValueError(f"strategy {name!r} is not one of {', '.join(STRATEGY_NAMES)}")
+    module, _, attr = REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def build_strategy(name: str, **options) -> Strategy:
-    """The strategy called `name`; DeepSpeed is imported only when a ZeRO stage is asked for."""
-    if name == "ddp":
-        from ddptrain.strategies.ddp import DDPStrategy
-
-        return DDPStrategy(**options)
-    if name in ("zero1", "zero2", "zero3"):
-        from ddptrain.strategies.deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(stage=int(name[-1]), **options)
-    raise ValueError(f"strategy {name!r} is not one of {', '.join(STRATEGY_NAMES)}")
+    """The strategy called `name`, from its options (`micro_batch_size` and `grad_accum_steps`
+    describe the step layout; the other keys are the strategy's own Options)."""
+    layout_keys = {f.name for f in dataclasses.fields(StepLayout)}
+    layout = StepLayout(**{k: v for k, v in options.items() if k in layout_keys})
+    return strategy_class(name).from_config({k: v for k, v in options.items() if k not in layout_keys}, layout)
 
 
-__all__ = ["Strategy", "build_strategy", "STRATEGY_NAMES"]
+__all__ = ["Strategy", "StepLayout", "build_strategy", "strategy_class", "STRATEGY_NAMES", "REGISTRY"]

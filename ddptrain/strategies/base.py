@@ -1,37 +1,70 @@
-"""What the Engine asks of a strategy; strategies know nothing of data."""
+"""What the Engine, the trainer and checkpoints ask of a strategy; strategies know nothing of data.
+
+A strategy is one file: a subclass of `Strategy` with its own `Options` dataclass (the keys of
+its `strategy=<name>` config section besides `name`), registered by one line in
+`ddptrain/strategies/__init__.py`. Nothing outside its file branches on its name.
+"""
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from typing import ContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, ContextManager
 
 import torch
 from torch import nn
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """What a strategy may need to know of the run when it is built from config."""
+
+    micro_batch_size: int = 1
+    """Sequences per microbatch per rank (DeepSpeed's bookkeeping)."""
+    grad_accum_steps: int = 1
+    """Microbatches per rank per step when that is fixed (DeepSpeed's bookkeeping)."""
+
+
 class Strategy(abc.ABC):
-    """Wraps a model so that, after the last microbatch of a step, every rank holds the SUM over
-    ranks of the gradients of what `backward` was given.
+    """Wraps a model so that, after the last microbatch of a step, the gradients are the SUM over
+    ranks of the gradients of what `backward` was given, then finishes the step.
 
     The Engine hands `backward` the pieces `sum_token_loss / N_t` of the global objective, so the
     summed gradients are exactly the gradient of the global mean-token loss. A strategy whose
     library averages over ranks or divides by accumulation steps must undo that itself.
     """
 
+    name: ClassVar[str]
+    communicates_every_microbatch: ClassVar[bool] = False
+    """True when every microbatch's forward or backward is a collective (parameter gathers,
+    gradient reduce-scatters): ranks with fewer microbatches then run filler microbatches."""
+    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "fp64", "bf16")
+
+    @dataclass
+    class Options:
+        """The strategy's config keys besides `name` (none by default)."""
+
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
 
+    @classmethod
+    def from_config(cls, options: dict, layout: StepLayout) -> "Strategy":
+        """Built from its config section (a dict without `name`)."""
+        return cls(**options)
+
     def configure(self, *, grad_clip: float | None, precision: str) -> None:
-        """The Engine's step settings, given before `setup`. A library that clips inside its own
-        optimizer step (DeepSpeed) needs them in its config; the default needs nothing."""
+        """The Engine's step settings, given before `setup`."""
+        if precision not in self.supported_precisions:
+            raise ValueError(f"trainer.precision={precision} is not supported by strategy={self.name} "
+                             f"(it supports {', '.join(self.supported_precisions)})")
+        self.grad_clip = grad_clip
+        self.precision = precision
 
     @abc.abstractmethod
     def setup(self, model: nn.Module, optimizer, device: torch.device) -> None:
         """Wrap `model` (already on `device`) and take charge of `optimizer`."""
-
-    def start_step(self, num_microbatches: int) -> None:
-        """Called once per step, before the first forward, with this rank's microbatch count."""
 
     def microbatch_context(self, is_last: bool) -> ContextManager:
         """Context for one microbatch's forward and backward; non-final ones skip gradient sync."""
@@ -42,16 +75,12 @@ class Strategy(abc.ABC):
         """Accumulate the gradient of `loss` (a piece of the global objective)."""
 
     @abc.abstractmethod
-    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Global norm of the synchronised gradients before clipping; clips when max_norm is set.
+    def finish_step(self, max_norm: float | None) -> tuple[torch.Tensor, bool]:
+        """(global gradient norm before clipping, whether the update was applied).
 
-        A library that fuses clipping into its update (DeepSpeed) may apply the update here,
-        provided it applies none when the norm is not finite; `optimizer_step` is then a no-op.
-        """
-
-    @abc.abstractmethod
-    def optimizer_step(self) -> None:
-        """Apply the update with the accumulated gradients."""
+        Clips by the global norm when `max_norm` is set and applies the optimizer update, unless
+        the norm is not finite: then nothing is applied (the same on every rank, since the norm
+        is global). The Engine zeroes gradients, steps the LR schedule and counts skips."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
@@ -59,16 +88,26 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights as CPU tensors, on every rank."""
+        """Full, unsharded weights as CPU tensors, on every rank (collective when sharded)."""
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load full weights (as returned by model_state_dict) on every rank."""
-        raise NotImplementedError(f"{type(self).__name__} cannot load a full model state dict")
+    @abc.abstractmethod
+    def save(self, directory: Path) -> None:
+        """Collective: write weights and optimizer state to `directory` (each rank its part)."""
+
+    @abc.abstractmethod
+    def load(self, directory: Path) -> None:
+        """Collective: restore what `save` wrote; a clear error when this world cannot read it."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
+        """The full weights saved in `directory`, in one process, without a process group."""
 
     def state_dict(self) -> dict:
-        """Optimizer (and strategy) state for checkpoints."""
-        return {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else {}
+        """Optimizer (and strategy) state in memory, when it fits in one process; a sharded
+        strategy raises instead of returning state without its optimizer (use save/load)."""
+        raise NotImplementedError(f"strategy={self.name} keeps its optimizer state sharded over ranks: use "
+                                  "Engine.save(directory) / Engine.load(directory) on every rank")
 
     def load_state_dict(self, state: dict) -> None:
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        raise NotImplementedError(f"strategy={self.name}: use Engine.load(directory) on every rank")

@@ -4,6 +4,8 @@
 
 
 import contextlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import ContextManager
 
 import torch
@@ -11,8 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.distributed import is_distributed
+from ddptrain.distributed import is_distributed, is_rank_zero
+from ddptrain.fsutil import save_torch
 from ddptrain.strategies.base import Strategy
+
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
 
 
 def sum_allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -28,7 +34,19 @@ def sum_allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.
 
 
 class DDPStrategy(Strategy):
-    """DistributedDataParallel in a process group; the bare model in a world of one."""
+    """DistributedDataParallel in a process group; the bare model in a world of one.
+
+    Every rank holds the full weights and optimizer state, so a checkpoint is two files written
+    by rank 0 and resumes on any number of ranks."""
+
+    name = "ddp"
+
+    @dataclass
+    class Options:
+        bucket_cap_mb: float = 25.0
+        """DDP gradient bucket size."""
+        find_unused_parameters: bool = False
+        """Allow parameters that get no gradient in a step."""
 
     def __init__(self, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False):
         self.bucket_cap_mb = bucket_cap_mb
@@ -63,16 +81,17 @@ class DDPStrategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+    def finish_step(self, max_norm: float | None) -> tuple[torch.Tensor, bool]:
         # After the synchronising backward every rank holds the same summed gradients, so this
         # norm is already global and identical on every rank: no extra collective.
         params = [p for p in self._module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if not torch.isfinite(norm):
+            return norm, False
         if max_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-
-    def optimizer_step(self) -> None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         self.optimizer.step()
+        return norm, True
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -80,5 +99,31 @@ class DDPStrategy(Strategy):
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._module.state_dict().items()}
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._module.load_state_dict(state)
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def save(self, directory: Path) -> None:
+        if not is_rank_zero():
+            return  # every rank holds the same weights and optimizer state
+        directory.mkdir(parents=True, exist_ok=True)
+        weights = self.model_state_dict()
+        bad = [name for name, value in weights.items() if value.is_floating_point() and not torch.isfinite(value).all()]
+        if bad:
+            raise FloatingPointError(f"weights {bad[:3]} are not finite; no checkpoint is written and the previous "
+                                     "one is kept")
+        save_torch(weights, directory / MODEL_FILE)
+        save_torch(self.state_dict(), directory / OPTIMIZER_FILE)
+
+    def load(self, directory: Path) -> None:
+        if not (directory / MODEL_FILE).is_file():
+            raise FileNotFoundError(f"{directory} holds no {MODEL_FILE}: it was not written by strategy=ddp")
+        self._module.load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
+        state = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        self.load_state_dict(state)
+
+    @staticmethod
+    def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
+        return torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True)

@@ -14,8 +14,7 @@ so this strategy undoes both (tests/test_zero.py measures it):
 
 DeepSpeed's `engine.step()` fuses norm, clip and update, and skips the update by itself when the
 norm is not finite (fp32 weights: stage 1/2 treat an invalid norm as overflow, stage 3 always
-does). So `clip_grad_norm` runs that step and returns the pre-clip norm; `optimizer_step` and
-`zero_grad` have nothing left to do. The DeepSpeed config is derived from ours (micro batch,
+does). So `finish_step` runs that step and returns the pre-clip norm. The DeepSpeed config is derived from ours (micro batch,
 accumulation, clipping, precision, stage); extra keys are merged and checked against it.
 """
 
@@ -26,19 +25,23 @@ import copy
 import logging
 import os
 from collections.abc import Mapping
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ClassVar, ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.distributed import backend_for, get_world_size, is_distributed
-from ddptrain.strategies.base import Strategy
+from ddptrain.distributed import backend_for, get_rank, get_world_size, is_distributed
+from ddptrain.strategies.base import StepLayout, Strategy
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'ddptrain[deepspeed]'"
+TAG = "zero"
+LAYOUT_FILE = "ddptrain_layout.json"
 
 # DeepSpeed config key -> the ddptrain setting it is derived from (for error messages).
 _DERIVED_FROM = {
@@ -188,19 +191,25 @@ class DeepSpeedStrategy(Strategy):
     """DeepSpeed ZeRO stage 1, 2 or 3; gradients summed over ranks, once per optimizer step.
 
     Args:
-        stage: ZeRO stage (1: optimizer state, 2: + gradients, 3: + weights partitioned).
         micro_batch_size: sequences per microbatch per rank (DeepSpeed's bookkeeping only).
         grad_accum_steps: microbatches per rank per step (DeepSpeed's bookkeeping only; the
             accumulation boundary is set per microbatch, so a step may hold any number).
         deepspeed: extra DeepSpeed config keys (offload, bucket sizes...), checked against ours.
     """
 
-    def __init__(self, stage: int, micro_batch_size: int = 1, grad_accum_steps: int = 1,
-                 deepspeed: Mapping | None = None):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage {stage!r} is not one of 1, 2, 3")
-        self.stage = stage
-        self.name = f"zero{stage}"
+    stage: ClassVar[int]
+    supported_precisions = ("fp32", "bf16")
+
+    @dataclass
+    class Options:
+        deepspeed: dict = field(default_factory=dict)
+        """Extra DeepSpeed config keys, merged into the config ddptrain derives and checked against it."""
+
+    @classmethod
+    def from_config(cls, options: dict, layout: StepLayout) -> "DeepSpeedStrategy":
+        return cls(micro_batch_size=layout.micro_batch_size, grad_accum_steps=layout.grad_accum_steps, **options)
+
+    def __init__(self, micro_batch_size: int = 1, grad_accum_steps: int = 1, deepspeed: Mapping | None = None):
         self._deepspeed = import_deepspeed(self.name)
         self.micro_batch_size = micro_batch_size
         self.grad_accum_steps = grad_accum_steps
@@ -213,12 +222,6 @@ class DeepSpeedStrategy(Strategy):
         self._world_size = 1
 
     # -- set up --------------------------------------------------------------------------------
-
-    def configure(self, *, grad_clip: float | None, precision: str) -> None:
-        if precision == "fp64":
-            raise ValueError(f"trainer.precision=fp64 is not supported by strategy {self.name!r}: DeepSpeed ZeRO "
-                             "keeps fp32/bf16/fp16 weight partitions; use fp32 or bf16, or strategy=ddp")
-        self.grad_clip = grad_clip
 
     def setup(self, model: nn.Module, optimizer, device: torch.device) -> None:
         bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
@@ -245,23 +248,6 @@ class DeepSpeedStrategy(Strategy):
 
     # -- the step ------------------------------------------------------------------------------
 
-    def start_step(self, num_microbatches: int) -> None:
-        # Stage 2 reduce-scatters gradients in every microbatch's backward and stage 3 also
-        # gathers weights in every forward: collectives, so every rank must run the same number
-        # of microbatches. Check it up front with one tiny all-reduce, so that a mismatch is the
-        # same clear error on every rank instead of a hang. Stage 1 reduces only in the final
-        # microbatch's backward, so ranks may hold different numbers (like DDP).
-        if self.stage == 1 or self._world_size == 1:
-            return
-        counts = torch.tensor([num_microbatches, -num_microbatches], dtype=torch.int64,
-                              device=self.model.device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        most, fewest = int(counts[0]), -int(counts[1])
-        if most != fewest:
-            raise ValueError(f"strategy {self.name!r} needs the same number of microbatches on every rank; this step "
-                             f"has between {fewest} and {most} (ZeRO stage {self.stage} communicates in every "
-                             "microbatch; use zero1 or ddp for ragged microbatch counts)")
-
     def microbatch_context(self, is_last: bool) -> ContextManager:
         # DeepSpeed's own counter would call every gradient_accumulation_steps-th microbatch the
         # boundary; the Engine knows which one is last, so say it (ZeRO reduces on the boundary).
@@ -272,23 +258,20 @@ class DeepSpeedStrategy(Strategy):
         # x W: ZeRO averages over the W data-parallel ranks; no 1/GAS: the Engine normalised by N_t.
         self.model.backward(loss * self._world_size, scale_wrt_gas=False)
 
-    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Runs DeepSpeed's fused norm + clip + update; returns the global norm before clipping.
+    def finish_step(self, max_norm: float | None) -> tuple[torch.Tensor, bool]:
+        """DeepSpeed's fused norm + clip + update; the global norm before clipping.
 
         DeepSpeed applies no update when that norm is not finite (and clears the gradients), so
-        the Engine's non-finite policy still holds: it sees the non-finite norm and counts the skip.
-        """
+        `applied` is whether the norm was finite."""
         if max_norm != self.grad_clip and not (max_norm is None and self.grad_clip is None):
-            raise ValueError(f"clip_grad_norm(max_norm={max_norm!r}) but DeepSpeed was configured with "
+            raise ValueError(f"finish_step(max_norm={max_norm!r}) but DeepSpeed was configured with "
                              f"gradient_clipping from grad_clip={self.grad_clip!r}")
         self.model.step()
         norm = self.model.get_global_grad_norm()
         if norm is None:
             raise RuntimeError("DeepSpeed computed no gradient norm (zero_optimization.compute_grad_norm=false?)")
-        return torch.as_tensor(float(norm), dtype=torch.float64)
-
-    def optimizer_step(self) -> None:
-        pass  # done in clip_grad_norm: DeepSpeed's engine.step() clips and updates in one call
+        norm = torch.as_tensor(float(norm), dtype=torch.float64)
+        return norm, bool(torch.isfinite(norm))
 
     def zero_grad(self) -> None:
         # DeepSpeed clears its (partitioned) gradients itself after an update or a skipped
@@ -315,29 +298,50 @@ class DeepSpeedStrategy(Strategy):
                 out[key] = tensor.detach().cpu().clone()
         return out
 
-    def save_checkpoint(self, directory: str | Path, tag: str = "zero", client_state: dict | None = None) -> None:
-        """DeepSpeed's own checkpoint (every rank writes its partitions; call on all ranks).
+    def save(self, directory: Path) -> None:
+        """DeepSpeed's own checkpoint (every rank writes its partitions), tag `zero`.
 
-        `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(directory, tag)`
-        turns it into the weights `model_state_dict()` returns.
-        """
-        self.model.save_checkpoint(str(directory), tag=tag, client_state=dict(client_state or {}))
+        `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(directory, "zero")`
+        turns it into the weights `model_state_dict()` returns."""
+        self.model.save_checkpoint(str(directory), tag=TAG, client_state={})
+        if get_rank() == 0:
+            (Path(directory) / LAYOUT_FILE).write_text(json.dumps({"strategy": self.name, "world_size": self._world_size}))
 
-    def load_checkpoint(self, directory: str | Path, tag: str = "zero") -> dict:
-        """Load weights and optimizer partitions saved by `save_checkpoint`; returns its client_state."""
-        path, client_state = self.model.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                                        load_lr_scheduler_states=False)
+    def load(self, directory: Path) -> None:
+        layout_file = Path(directory) / LAYOUT_FILE
+        saved = json.loads(layout_file.read_text()) if layout_file.is_file() else {}
+        if saved.get("world_size", self._world_size) != self._world_size:
+            raise ValueError(f"a {saved.get('strategy', self.name)} checkpoint written on {saved['world_size']} ranks "
+                             f"cannot be resumed on {self._world_size}: DeepSpeed partitions the optimizer state by "
+                             f"rank, and converting it (DeepSpeed's universal checkpoint) is not supported here; resume "
+                             f"on {saved['world_size']} ranks, or use strategy=ddp or fsdp, whose checkpoints reshard")
+        path, _ = self.model.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
+                                             load_lr_scheduler_states=False)
         if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {tag!r} under {directory}")
-        return client_state or {}
+            raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {TAG!r} under {directory}")
 
-    def state_dict(self) -> dict:
-        # The optimizer state is partitioned over ranks: only save_checkpoint (every rank) holds it.
-        return {}
+    @staticmethod
+    def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    def load_state_dict(self, state: dict) -> None:
-        pass  # see state_dict: load_checkpoint restores the optimizer partitions
+        return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError(f"strategy {self.name!r} keeps fp32 master partitions in its optimizer; resume with "
-                                  "strategy.load_checkpoint(dir, tag) on every rank (DeepSpeed's checkpoint)")
+
+class ZeRO1(DeepSpeedStrategy):
+    """Optimizer state partitioned; gradients reduced only on the last microbatch (like DDP)."""
+
+    name, stage = "zero1", 1
+
+
+class ZeRO2(DeepSpeedStrategy):
+    """+ gradients partitioned: reduce-scattered in every microbatch's backward."""
+
+    name, stage = "zero2", 2
+    communicates_every_microbatch = True
+
+
+class ZeRO3(DeepSpeedStrategy):
+    """+ weights partitioned: gathered in every forward and backward."""
+
+    name, stage = "zero3", 3
+    communicates_every_microbatch = True

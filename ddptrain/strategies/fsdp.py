@@ -1,0 +1,151 @@
+"""PyTorch FSDP2 (`fully_shard`): weights, gradients and optimizer state sharded over ranks.
+
+The exact objective needs summed gradients and one gradient reduction per step:
+
+- `set_gradient_divide_factor(1.0)`: FSDP's reduce-scatter SUMS instead of averaging over ranks.
+- `set_requires_gradient_sync(False)` on non-final microbatches: gradients accumulate unsharded
+  on each rank and are reduce-scattered once, in the last microbatch's backward.
+
+Every forward all-gathers each sharded module's weights (and, with `reshard_after_forward`, the
+backward gathers them again): collectives in every microbatch, so ranks with fewer microbatches
+run fillers (the Engine does). The global gradient norm is computed from the sharded gradients
+(DTensors) and clipping scales the shards. Checkpoints are torch.distributed.checkpoint (DCP)
+directories: each rank writes its shards, and a run saved on N ranks resumes on M.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ddptrain.distributed import backend_for, get_world_size, is_distributed
+from ddptrain.strategies.base import StepLayout, Strategy
+
+
+def default_shard_modules(model: nn.Module) -> set[str]:
+    """Class names of the transformer blocks: the built-in GPT's Block, or a transformers model's
+    `_no_split_modules` (its decoder-layer classes)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    present = {type(module).__name__ for module in model.modules()}
+    if not names & present:
+        names = {"Block"} & present
+    return names & present
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    communicates_every_microbatch = True
+
+    @dataclass
+    class Options:
+        reshard_after_forward: bool = True
+        """Free gathered weights after each forward (less memory, one more all-gather in backward)."""
+        shard_modules: list = field(default_factory=list)
+        """Class names to shard as units (default: GPT blocks, or a transformers model's decoder layers)."""
+
+    @classmethod
+    def from_config(cls, options: dict, layout: StepLayout) -> "FSDPStrategy":
+        return cls(**options)
+
+    def __init__(self, reshard_after_forward: bool = True, shard_modules: list | tuple = ()):
+        self.reshard_after_forward = reshard_after_forward
+        self.shard_modules = list(shard_modules)
+        self.model = None
+        self.optimizer = None
+
+    def setup(self, model: nn.Module, optimizer, device: torch.device) -> None:
+        if optimizer is None:
+            raise ValueError("strategy 'fsdp' needs a torch optimizer; got optimizer=None")
+        if not is_distributed():  # a world of one still gets a process group: fully_shard needs a mesh
+            dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh(device.type, (get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.precision == "bf16" else MixedPrecisionPolicy()
+        names = set(self.shard_modules) or default_shard_modules(model)
+        unknown = set(self.shard_modules) - {type(m).__name__ for m in model.modules()}
+        if unknown:
+            raise ValueError(f"strategy.shard_modules names {sorted(unknown)}, which {type(model).__name__} does not "
+                             "contain (give class names of its repeated blocks)")
+        by_name = {id(param): name for name, param in model.named_parameters()}
+        for module in list(model.modules())[1:]:
+            if type(module).__name__ in names:
+                fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        for module in model.modules():  # SUM over ranks: the losses are already pieces of the global mean
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # per module: the setter does not recurse
+                # A plain SUM reduce-scatter: a divide factor otherwise becomes NCCL's PREMUL_SUM,
+                # which gloo lacks (and a factor of 1 needs no scaling at all).
+                module.set_force_sum_reduction_for_comms(True)
+        # fully_shard replaced the parameters by sharded DTensor parameters: the optimizer (built
+        # before, with no state yet) must hold the new ones, in the same groups.
+        sharded = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[by_name[id(param)]] for param in group["params"]]
+        self.model = model
+        self.optimizer = optimizer
+
+    def microbatch_context(self, is_last: bool) -> ContextManager:
+        self.model.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def finish_step(self, max_norm: float | None) -> tuple[torch.Tensor, bool]:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the shards' partial norms reduced over ranks: the global norm
+        if not torch.isfinite(norm):
+            return norm, False
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        self.optimizer.step()
+        return norm, True
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on every rank (each sharded tensor all-gathered once)."""
+        out = {}
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            out[name] = full.detach().cpu().clone()
+        return out
+
+    def save(self, directory: Path) -> None:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
+
+    def load(self, directory: Path) -> None:
+        if not (Path(directory) / ".metadata").is_file():
+            raise FileNotFoundError(f"{directory} is not a torch.distributed.checkpoint directory written by "
+                                    "strategy=fsdp (no .metadata)")
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(directory))  # reshards: any number of ranks may read it
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
+
+    @staticmethod
+    def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            file = Path(scratch) / "full.pt"
+            dcp_to_torch_save(str(directory), str(file))  # in one process, no process group
+            return torch.load(file, map_location="cpu", weights_only=False)["model"]
