@@ -17,6 +17,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ddptrain.engine import PRECISIONS
+
 
 class ConfigError(ValueError):
     """A config value breaks a rule; the message names the key, the value and the rule."""
@@ -37,7 +39,7 @@ class TrainerConfig:
     log_every: int = 10
     """Write a metrics line every this many steps (and at the last step)."""
     precision: str = "fp32"
-    """fp32 | fp64 | bf16 (autocast); fp16 is not supported yet."""
+    """fp32 | fp64 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling)."""
     grad_clip: Optional[float] = 1.0
     """Clip the global gradient norm to this value (null: no clipping)."""
     empty_step: str = "skip"
@@ -192,6 +194,8 @@ class CheckpointConfig:
     """auto (latest complete checkpoint in run.dir, else fresh) | none | a checkpoint path."""
     preempt_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that make every rank checkpoint at the next step boundary and exit."""
+    preempt_check_every: int = 5
+    """Ask every rank for a preemption signal every this many steps (a tiny all-reduce the host waits for)."""
     preempt_grace_s: float = 25.0
     """After a preemption signal, a rank that reaches no step boundary within this many seconds (stuck in a
     collective) exits instead of waiting to be SIGKILLed (torchrun waits 30 s)."""
@@ -227,7 +231,7 @@ def register_configs() -> None:
 
 
 _CHOICES = {
-    "trainer.precision": ("fp32", "fp64", "bf16"),
+    "trainer.precision": PRECISIONS,
     "trainer.empty_step": ("skip", "stop"),
     "trainer.nonfinite": ("skip", "stop"),
     "optim.name": ("adamw", "sgd"),
@@ -268,8 +272,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     for key, allowed in _CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            hint = " (fp16 needs a grad scaler and is not supported yet; use bf16)" if value == "fp16" else ""
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     for key in _POSITIVE:
         value = _get(cfg, key)
         if not value > 0:
@@ -295,6 +298,8 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     for name in cfg.checkpoint.preempt_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preempt_signals has {name!r}, which is not a signal name like SIGUSR1")
+    if not cfg.checkpoint.preempt_check_every > 0:
+        raise ConfigError(f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every!r} must be > 0")
     if not cfg.checkpoint.preempt_grace_s > 0:
         raise ConfigError(f"checkpoint.preempt_grace_s={cfg.checkpoint.preempt_grace_s!r} must be > 0")
     if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:

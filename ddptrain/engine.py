@@ -11,79 +11,29 @@ update equals, up to float rounding, that of one process that saw the whole glob
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ddptrain.distributed import get_rank, get_world_size, init_distributed, is_distributed
+from ddptrain.loss_scale import DynamicLossScale
 from ddptrain.models.build import logits_of
 from ddptrain.objective import IGNORE_INDEX, Objective
+from ddptrain.stats import PhaseClock, StepStats
 from ddptrain.strategies import Strategy, build_strategy
 
 log = logging.getLogger(__name__)
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]
 
-PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step did, the same numbers on every rank."""
-
-    loss: float
-    """Global mean of the Engine's objective over valid target tokens: cross-entropy, label-smoothed
-    and plus the z-loss when the objective sets them (NaN when the step had none)."""
-    tokens: int
-    """Global number of valid target tokens N_t."""
-    grad_norm: float
-    """Global gradient norm before clipping (NaN when the step was skipped before backward)."""
-    skipped: bool = False
-    """True when no update was applied (no valid tokens, or a non-finite gradient norm)."""
-    reason: str = ""
-    """Why the step was skipped: 'no_valid_tokens' or 'nonfinite'."""
-    filler_microbatches: int = 0
-    """Microbatches without targets that ranks with fewer microbatches ran to keep a strategy's
-    per-microbatch collectives in step (all ranks together)."""
-    forward_backward_s: float = 0.0
-    """Host seconds in forward and backward passes (DDP's overlapped gradient all-reduce included)."""
-    comm_wait_s: float = 0.0
-    """Host seconds blocked on the token-count and loss all-reduces (and the syncs they imply)."""
-    optimizer_s: float = 0.0
-    """Host seconds in clipping, the optimizer step, the LR schedule and zero_grad."""
-
-
-class _PhaseClock:
-    """Host seconds of one step: comm wait and optimizer inside `phase(...)` blocks, the rest forward-backward.
-
-    perf_counter readings around calls that already exist: no device sync is added. On a GPU,
-    kernels still queued are charged to the next sync point (the token count's or the loss's .item()).
-    """
-
-    def __init__(self):
-        self.began = time.perf_counter()
-        self.seconds = {"comm": 0.0, "optimizer": 0.0}
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        since = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - since
-
-    def stamp(self, stats: StepStats) -> StepStats:
-        total = time.perf_counter() - self.began
-        stats.comm_wait_s, stats.optimizer_s = self.seconds["comm"], self.seconds["optimizer"]
-        stats.forward_backward_s = max(total - stats.comm_wait_s - stats.optimizer_s, 0.0)
-        return stats
+PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
+"""trainer.precision: fp32 and fp64 weights and math; bf16 and fp16 autocast over fp32 weights (fp16 with
+dynamic loss scaling)."""
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Engine:
@@ -95,8 +45,10 @@ class Engine:
         strategy: a name of ddptrain.strategies.STRATEGY_NAMES ("ddp", "zero1", "zero2", "zero3",
             "fsdp"), or a Strategy instance.
         grad_clip: clip the global gradient norm to this value after normalisation (None: no clip).
-        lr_scheduler: stepped once after every applied optimizer step.
-        precision: "fp32" | "fp64" (the model is cast) | "bf16" (autocast).
+        lr_scheduler: stepped once per step, whether its update was applied or skipped (the
+            schedule lives on the host; reading "applied" would wait for the device).
+        precision: "fp32" | "fp64" (the model is cast) | "bf16" (autocast) | "fp16" (autocast with
+            dynamic loss scaling; an overflow skips the step on every rank and halves the scale).
         nonfinite: "skip" (no update, counted) or "stop" (raise) when the gradient norm is not finite.
         device: where microbatches go; defaults to the device of init_distributed().
         objective: the per-token loss summed over valid targets and divided by the global N_t
@@ -137,7 +89,9 @@ class Engine:
         self.strategy = strategy
         self.strategy.configure(grad_clip=grad_clip, precision=precision)
         self.strategy.setup(model, optimizer, self.device)
+        self.loss_scale = DynamicLossScale(self.device) if precision == "fp16" else None
         self.skipped_steps = 0
+        self._template: Microbatch | None = None  # shape of a filler for a rank that gets no microbatch
 
     @property
     def model(self) -> nn.Module:
@@ -146,47 +100,55 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self, microbatches: Sequence[Microbatch]) -> StepStats:
+    def step(self, microbatches: Sequence[Microbatch], max_microbatches: int | None = None) -> StepStats:
         """One optimizer step over this rank's microbatches of the global batch.
 
-        Every rank must call it once per step; ranks may hold different numbers of microbatches.
+        Every rank must call it once per step; ranks may hold different numbers of microbatches
+        (even none). Nothing here waits for the device unless `nonfinite="stop"` or a strategy
+        that communicates in every microbatch is not told `max_microbatches` (the most any rank
+        holds this step: the trainer knows it from the global layout).
         """
-        if len(microbatches) == 0:  # the other ranks must hear of it in the token count, not wait for us
-            self._count_tokens([])[1]()
-            raise ValueError(f"Engine.step needs at least one microbatch on every rank; rank {get_rank()} got none")
-        clock = _PhaseClock()
+        clock = PhaseClock()
         microbatches = [self._to_device(inputs, targets) for inputs, targets in microbatches]
         counts, wait_for_counts = self._count_tokens(microbatches)
-        fillers = 0
-        if self.strategy.communicates_every_microbatch and is_distributed():
-            with clock.phase("comm"):  # the strategy's collectives need every rank in every microbatch
-                wait_for_counts()
-                per_rank = counts[2:].tolist()
-            if min(per_rank) == 0:
-                raise ValueError(f"Engine.step needs at least one microbatch on every rank; "
-                                 f"{per_rank.count(0)} rank(s) got none")
-            microbatches = microbatches + [_filler(*microbatches[0])] * (max(per_rank) - len(microbatches))
-            fillers = sum(max(per_rank) - count for count in per_rank)
-        loss_sum = self._forward_backward(microbatches, counts, wait_for_counts, clock)
-        if loss_sum is None:
-            return clock.stamp(self._skip_empty_step())
+        microbatches, fillers = self._with_fillers(microbatches, counts, wait_for_counts, max_microbatches, clock)
+        loss_sum = self._forward_backward(microbatches, counts[0], wait_for_counts, clock)
         with clock.phase("optimizer"):
-            grad_norm, applied = self.strategy.finish_step(self.grad_clip)
-        with clock.phase("comm"):
-            tokens = int(counts[0].item())
-            loss = self._global_loss(loss_sum) / tokens
-        with clock.phase("optimizer"):
-            stats = self._update(loss, tokens, float(grad_norm), applied)
-        stats.filler_microbatches = fillers
+            grad_norm, applied = self._finish(counts[0])
+        loss_wait = self._start_loss_reduce(loss_sum)
+        stats = StepStats(tokens=counts[0], grad_norm=grad_norm, skipped=~applied, loss_sum=loss_sum, wait=loss_wait,
+                          filler_microbatches=fillers)
+        if self.nonfinite == "stop" and stats.skipped and stats.tokens:
+            raise FloatingPointError(f"non-finite gradient norm {stats.grad_norm} (loss {stats.loss}); nonfinite='stop'")
         return clock.stamp(stats)
 
-    def _forward_backward(self, microbatches: list[Microbatch], counts: torch.Tensor, wait_for_counts,
-                          clock: _PhaseClock) -> torch.Tensor | None:
-        """Backward of each microbatch's sum_token_loss / N_t, non-final ones without gradient sync.
+    def _with_fillers(self, microbatches: list[Microbatch], counts: torch.Tensor, wait_for_counts,
+                      max_microbatches: int | None, clock: PhaseClock) -> tuple[list[Microbatch], int]:
+        """Pad with filler microbatches where the strategy needs every rank in every microbatch
+        (and give a rank without any one filler, so it still joins the gradient reduction)."""
+        if self.strategy.communicates_every_microbatch and is_distributed():
+            if max_microbatches is None:
+                with clock.phase("comm"):  # the host must know how many microbatches to run
+                    wait_for_counts()
+                    per_rank = counts[1:].tolist()
+                max_microbatches, total = max(per_rank), sum(per_rank)
+            else:
+                total = None
+            most = max(max_microbatches, 1)
+            fillers = most - len(microbatches)
+            missing = most * get_world_size() - total if total is not None else fillers
+        else:
+            fillers = missing = 0 if microbatches else 1
+        if fillers:
+            template = microbatches[0] if microbatches else self._template or _TOKEN_IDS
+            microbatches = microbatches + [_filler(*template)] * fillers
+        self._template = microbatches[0]
+        return microbatches, missing
 
-        Returns this rank's loss sum, or None when the global batch has no valid target (N_t = 0,
-        known on every rank at once: nothing was backpropagated)."""
-        global_tokens = counts[0]
+    def _forward_backward(self, microbatches: list[Microbatch], global_tokens: torch.Tensor, wait_for_counts,
+                          clock: PhaseClock) -> torch.Tensor:
+        """Backward of each microbatch's objective sum / N_t, non-final ones without gradient sync;
+        returns this rank's loss sum. N_t = 0 backpropagates zeros and the update is masked."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for index, (inputs, targets) in enumerate(microbatches):
             with self.strategy.microbatch_context(is_last=index == len(microbatches) - 1):
@@ -194,25 +156,32 @@ class Engine:
                 if index == 0:  # the count's all-reduce overlapped the first forward; backward needs N_t
                     with clock.phase("comm"):
                         wait_for_counts()
-                        if counts[1].item() > 0:
-                            raise ValueError(f"Engine.step needs at least one microbatch on every rank; "
-                                             f"{counts[1].item()} rank(s) got none")
-                        is_empty = global_tokens.item() == 0
-                    if is_empty:
-                        return None
+                    denominator = global_tokens.clamp_min(1)
                 loss_sum += piece.detach().double()
-                self.strategy.backward(piece / global_tokens.to(piece.dtype))
+                piece = piece / denominator.to(piece.dtype)
+                self.strategy.backward(self.loss_scale.scaled(piece) if self.loss_scale is not None else piece)
         return loss_sum
 
-    def _update(self, loss: float, tokens: int, grad_norm: float, applied: bool) -> StepStats:
-        """LR schedule and zero_grad after the strategy's update; a skip when it applied none
-        (a non-finite norm: global, so the same on every rank)."""
-        if not applied:
-            return self._skip_nonfinite(loss, tokens, grad_norm)
+    def _finish(self, global_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The strategy's norm, clip and update (none when N_t = 0 or the norm is not finite),
+        then the LR schedule and zero_grad. Returns device tensors (norm, applied)."""
+        if self.loss_scale is not None:
+            self.loss_scale.unscale_(self.model.parameters())
+        grad_norm, applied = self.strategy.finish_step(self.grad_clip, skip=global_tokens == 0)
+        grad_norm, applied = torch.as_tensor(grad_norm), torch.as_tensor(applied)
+        if self.loss_scale is not None:
+            self.loss_scale.update(torch.isfinite(grad_norm) | (global_tokens == 0))
+        self._skipped += (~applied).to(self._skipped.dtype)
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step()  # every step, applied or skipped: the schedule is host-side
         self.strategy.zero_grad()
-        return StepStats(loss=loss, tokens=tokens, grad_norm=grad_norm)
+        return grad_norm, applied
+
+    def _start_loss_reduce(self, loss_sum: torch.Tensor):
+        """Start summing the loss over ranks; StepStats waits for it only when the loss is read."""
+        if not is_distributed():
+            return None
+        return dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, async_op=True).wait
 
     def _to_device(self, inputs, targets: torch.Tensor) -> Microbatch:
         non_blocking = self.device.type == "cuda"
@@ -223,13 +192,12 @@ class Engine:
         return inputs, targets.to(self.device, non_blocking=non_blocking)
 
     def _count_tokens(self, microbatches: list[Microbatch]):
-        """Start the all-reduce of [valid tokens, ranks without microbatches, microbatches of each
-        rank] (one small SUM); return (tensor, wait)."""
-        local = torch.zeros(2 + get_world_size(), dtype=torch.int64, device=self.device)
+        """Start the all-reduce of [valid tokens, microbatches of each rank] (one small SUM);
+        return (tensor, wait)."""
+        local = torch.zeros(1 + get_world_size(), dtype=torch.int64, device=self.device)
         for _, targets in microbatches:
             local[0] += (targets != IGNORE_INDEX).sum()
-        local[1] = int(not microbatches)
-        local[2 + get_rank()] = len(microbatches)
+        local[1 + get_rank()] = len(microbatches)
         if not is_distributed():
             return local, lambda: None
         work = dist.all_reduce(local, op=dist.ReduceOp.SUM, async_op=True)
@@ -239,9 +207,9 @@ class Engine:
         """Logits of the wrapped model under this engine's precision, (B, T) -> (B, T, V).
 
         `inputs` is a tensor, or a dict of tensors passed to the model as keyword arguments."""
-        if self.precision != "bf16":
+        if self.precision not in AUTOCAST:
             return self._call_model(inputs)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+        with torch.autocast(self.device.type, dtype=AUTOCAST[self.precision]):
             return self._call_model(inputs)
 
     def _call_model(self, inputs) -> torch.Tensor:
@@ -251,27 +219,6 @@ class Engine:
 
     def _forward(self, inputs, targets: torch.Tensor) -> torch.Tensor:
         return self.objective.token_sum(self.forward(inputs), targets)
-
-    def _global_loss(self, loss_sum: torch.Tensor) -> float:
-        if is_distributed():
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-        return float(loss_sum.item())
-
-    def _skip_empty_step(self) -> StepStats:
-        # N_t is global, so every rank takes this branch at the same step; no backward has run.
-        self.strategy.zero_grad()
-        self.skipped_steps += 1
-        log.warning("step skipped: the global batch holds no valid target token (N_t = 0)")
-        return StepStats(loss=float("nan"), tokens=0, grad_norm=float("nan"), skipped=True, reason="no_valid_tokens")
-
-    def _skip_nonfinite(self, loss: float, tokens: int, grad_norm: float) -> StepStats:
-        # The norm is of the synchronised gradients, so every rank sees the same non-finite value.
-        self.strategy.zero_grad()
-        if self.nonfinite == "stop":
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm} (loss {loss}); nonfinite='stop'")
-        self.skipped_steps += 1
-        log.warning("step skipped: non-finite gradient norm %s (loss %s)", grad_norm, loss)
-        return StepStats(loss=loss, tokens=tokens, grad_norm=grad_norm, skipped=True, reason="nonfinite")
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -289,16 +236,29 @@ class Engine:
         self.load_progress_state_dict(state)
 
     def progress_state_dict(self) -> dict:
-        """The LR schedule and the skipped-step count: what `save` does not hold."""
+        """The LR schedule, the loss scale and the skipped-step count: what `save` does not hold."""
         state: dict = {"skipped_steps": self.skipped_steps}
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.loss_scale is not None:
+            state["loss_scale"] = self.loss_scale.state_dict()
         return state
 
     def load_progress_state_dict(self, state: dict) -> None:
         self.skipped_steps = state.get("skipped_steps", 0)
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.loss_scale is not None and "loss_scale" in state:
+            self.loss_scale.load_state_dict(state["loss_scale"])
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps that applied no update (no valid token, or a non-finite norm). Reading it waits for the device."""
+        return int(self._skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped = torch.tensor(value, dtype=torch.int64, device=self.device)
 
     def save(self, directory: str | Path) -> None:
         """Collective: the strategy writes weights and optimizer state to `directory` (each rank its part)."""
@@ -307,6 +267,10 @@ class Engine:
     def load(self, directory: str | Path) -> None:
         """Collective: restore what `save` wrote (sharded strategies may reshard to this world size)."""
         self.strategy.load(Path(directory))
+
+
+_TOKEN_IDS = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+"""A filler's shape when this rank has seen no microbatch yet: one token id."""
 
 
 def _filler(inputs, targets: torch.Tensor) -> Microbatch:

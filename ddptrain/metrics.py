@@ -56,14 +56,16 @@ class ThroughputWindow:
 
     def reset(self) -> None:
         self.steps = 0
+        self._unread: list = []  # StepStats not read yet
         self.valid_tokens = 0
         self.processed_tokens = 0
         self.flops = 0.0
         self.seconds = dict.fromkeys(TIME_SPLIT, 0.0)
 
     def add(self, stats, data_wait_s: float, shapes: list[tuple[int, int]]) -> None:
+        """One step; its token count is read at `summary` (a logging step), not now."""
         self.steps += 1
-        self.valid_tokens += stats.tokens
+        self._unread.append(stats)
         self.processed_tokens += sum(rows * width for rows, width in shapes)
         if self.model_flops is not None:
             self.flops += sum(self.model_flops.per_microbatch(rows, width) for rows, width in shapes)
@@ -73,6 +75,8 @@ class ThroughputWindow:
 
     def summary(self) -> dict:
         """The window's rates and per-step mean times; then starts a new window."""
+        self.valid_tokens += sum(stats.tokens for stats in self._unread)
+        self._unread = []
         train_s = max(sum(self.seconds.values()), 1e-9)
         steps = max(self.steps, 1)
         flops_per_second = self.flops / train_s if self.model_flops is not None else None

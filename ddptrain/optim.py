@@ -9,16 +9,19 @@ from torch import nn
 
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
-                    betas: tuple[float, float]) -> torch.optim.Optimizer:
-    """AdamW (decay on matrices only, as nanoGPT) or plain SGD."""
+                    betas: tuple[float, float], fused: bool = True) -> torch.optim.Optimizer:
+    """AdamW (decay on matrices only, as nanoGPT) or plain SGD.
+
+    `fused`: one kernel per step on CUDA and CPU, and it can skip a non-finite step on the device
+    (GradScaler's found_inf), so the step never waits for the host."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr)
+        return torch.optim.SGD(groups, lr=lr, fused=fused)
     raise ValueError(f"optim.name {name!r} is not one of adamw, sgd")
 
 

@@ -20,6 +20,7 @@ from ddptrain import faults
 from ddptrain.config import TrainConfig, grad_accum_steps, strategy_options
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.data.dataset import TokenExamples
+from ddptrain.data.prefetch import Prefetcher, pin_memory_available
 from ddptrain.distributed import DistInfo, Rank0Filter, all_reduce_sum, barrier, is_rank_zero, raise_on_every_rank
 from ddptrain.engine import Engine, StepStats
 from ddptrain.flops import ModelFlops, device_peak_flops
@@ -50,6 +51,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.filler_microbatches = 0  # run by ranks with fewer microbatches (strategies that need them)
+        self._unread: list[tuple[int, StepStats]] = []
         self._file_log: logging.Handler | None = None
         self._watcher: PreemptionWatcher | None = None
         self._lock: RunDirLock | None = None
@@ -60,6 +62,8 @@ class Trainer:
     def build(self) -> "Trainer":
         cfg = self.cfg
         self._lock_run_dir()
+        if self.dist.device.type == "cuda" and cfg.trainer.precision == "fp32":
+            torch.set_float32_matmul_precision("high")  # TF32 matmuls: fp32 runs use the tensor cores
         self._resolve_tokenizer()
         saved = self._saved_state()
         self._write_run_dir()
@@ -203,35 +207,49 @@ class Trainer:
             log.info("nothing to do: this run already finished at step %d (trainer.max_steps=%d); its weights are in "
                      "%s; raise trainer.max_steps to train on", self.step, cfg.max_steps, self.run_dir / "final")
             return
-        while self.step < cfg.max_steps:
-            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
-            waited = time.perf_counter()
-            microbatches = self.train_batches.microbatches(self.step)
-            data_wait_s = time.perf_counter() - waited
-            stats = self._train_step(microbatches)
-            if stats.skipped and stats.reason == "no_valid_tokens" and cfg.empty_step == "stop":
-                raise EmptyStepError(f"step {self.step + 1}: the global batch has no valid target token "
-                                     "(trainer.empty_step=stop)")
-            self.metrics.window.add(stats, data_wait_s, self.train_batches.global_shapes(self.step))
-            self.step += 1
+        check_every = self.cfg.checkpoint.preempt_check_every
+        with Prefetcher(self.train_batches, cfg.max_steps, pin_memory_available(self.dist.device)) as batches:
+            while self.step < cfg.max_steps:
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+                microbatches, data_wait_s = batches.get(self.step)
+                most = max(len(micro) for micro in self.train_batches.layout(self.step))
+                stats = self._train_step(microbatches, most)
+                self.metrics.window.add(stats, data_wait_s, self.train_batches.global_shapes(self.step))
+                self.step += 1
+                self._unread.append((self.step, stats))  # read on log, eval and checkpoint steps only
+                self.metrics.step_done(self.step, None)
+                is_last = self.step == cfg.max_steps
+                every = self.cfg.checkpoint.every
+                is_eval = bool(cfg.eval_every and self.step % cfg.eval_every == 0) or is_last
+                is_log = self.step % cfg.log_every == 0 or is_last
+                is_checkpoint = is_last or bool(every and self.step % every == 0)
+                if is_eval or is_log or is_checkpoint:
+                    self._read_steps()
+                val_loss = self.evaluate() if is_eval else None
+                if is_log:
+                    self._log_step(stats, lr, val_loss)
+                if is_checkpoint:
+                    self.save_checkpoint()
+                if is_last:
+                    self.save_final()
+                if not is_last and self.step % check_every == 0 and self._watcher.should_stop():
+                    self._read_steps()
+                    self._preempt()
+
+    def _read_steps(self) -> None:
+        """Read the steps since the last read (this waits for the device): counters, skips, policies."""
+        for step, stats in self._unread:
             self.tokens_seen += stats.tokens
             self.filler_microbatches += stats.filler_microbatches
-            self.metrics.step_done(self.step, stats.loss)
-            is_last = self.step == cfg.max_steps
-            val_loss = None
-            if (cfg.eval_every and self.step % cfg.eval_every == 0) or is_last:
-                val_loss = self.evaluate()
-            if self.step % cfg.log_every == 0 or is_last:
-                self._log_step(stats, lr, val_loss)
-            every = self.cfg.checkpoint.every
-            if is_last or (every and self.step % every == 0):
-                self.save_checkpoint()
-            if is_last:
-                self.save_final()
-            if not is_last and self._watcher.should_stop():
-                self._preempt()
+            if stats.skipped:
+                if stats.reason == "no_valid_tokens" and self.cfg.trainer.empty_step == "stop":
+                    raise EmptyStepError(f"step {step}: the global batch has no valid target token "
+                                         "(trainer.empty_step=stop)")
+                log.warning("step %d skipped: %s", step, "the global batch holds no valid target token (N_t = 0)"
+                            if stats.reason == "no_valid_tokens" else f"non-finite gradient norm {stats.grad_norm}")
+        self._unread = []
 
-    def _train_step(self, microbatches) -> StepStats:
+    def _train_step(self, microbatches, max_microbatches: int) -> StepStats:
         """Engine.step, with the step named in any collective failure (a dead or stuck peer)."""
         step = self.step + 1
         rank = self.dist.rank
@@ -243,7 +261,7 @@ class Trainer:
         if faults.armed("nan", step, rank):
             hook = self.engine.model.register_forward_hook(lambda module, args, out: out * float("nan"))
         try:
-            return self.engine.step(microbatches)
+            return self.engine.step(microbatches, max_microbatches=max_microbatches)
         except RuntimeError as error:  # gloo reports timeouts and lost peers as RuntimeError
             hint = ""
             if isinstance(error, dist.DistError) or any(w in str(error) for w in ("gloo", "NCCL", "Timed out", "Connection")):
@@ -279,6 +297,8 @@ class Trainer:
         }
         if val_loss is not None:
             record["val_loss"] = val_loss
+        if self.engine.loss_scale is not None:
+            record["loss_scale"] = float(self.engine.loss_scale.scale)
         self.metrics.log(record)
 
     @torch.no_grad()

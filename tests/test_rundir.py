@@ -265,7 +265,7 @@ def _write_twice(tmp: str) -> None:
 # -- rank-local errors ----------------------------------------------------------------------------
 
 
-def test_an_error_on_one_rank_reaches_every_rank_at_once():
+def test_an_error_on_one_rank_reaches_every_rank_and_an_empty_rank_does_not_hang():
     from ddptrain.testing import run_distributed
 
     run_distributed(_one_rank_fails, world_size=2)
@@ -283,8 +283,8 @@ def _one_rank_fails() -> None:
     model = tiny_gpt()
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp", device=torch.device("cpu"))
     mine = [] if get_rank() == 1 else [microbatch(2, [12, 5], seed=1)]
-    with pytest.raises(ValueError, match="at least one microbatch on every rank"):
-        engine.step(mine)
+    stats = engine.step(mine)  # a rank without microbatches runs a filler: it neither hangs nor adds anything
+    assert stats.tokens == 17 and not stats.skipped
     assert time.monotonic() - started < 30, "no rank may wait for the timeout"
 
 

@@ -75,8 +75,10 @@ class TrainBatches:
     # -- layout --------------------------------------------------------------------------------
 
     def layout(self, step: int) -> list[list[np.ndarray]]:
-        """Example ids of each microbatch of every rank at `step`, computed once per step."""
-        if self._layout is None or self._layout[0] != step:
+        """Example ids of each microbatch of every rank at `step`, computed once per step (the
+        training thread and the prefetching thread both ask, for this step and the next)."""
+        cached = self._layout
+        if cached is None or cached[0] != step:
             global_ids = self.plan.global_batch(step)
             if self.micro_tokens is None:
                 ranks = [split_micro(rank_share(global_ids, rank, self.world_size), self.micro_batch_size)
@@ -84,8 +86,8 @@ class TrainBatches:
             else:
                 shares = balanced_shares(global_ids, self._targets[global_ids], self.world_size)
                 ranks = [budget_microbatches(share, self._targets[share], self.micro_tokens) for share in shares]
-            self._layout = (step, ranks)
-        return self._layout[1]
+            cached = self._layout = (step, ranks)
+        return cached[1]
 
     def rank_microbatches(self, step: int, rank: int) -> list[np.ndarray]:
         """Example ids of each microbatch of `rank` at `step`."""

@@ -15,6 +15,7 @@ from typing import ClassVar, ContextManager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Strategy(abc.ABC):
     communicates_every_microbatch: ClassVar[bool] = False
     """True when every microbatch's forward or backward is a collective (parameter gathers,
     gradient reduce-scatters): ranks with fewer microbatches then run filler microbatches."""
-    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "fp64", "bf16")
+    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "fp64", "bf16", "fp16")
 
     @dataclass
     class Options:
@@ -75,12 +76,13 @@ class Strategy(abc.ABC):
         """Accumulate the gradient of `loss` (a piece of the global objective)."""
 
     @abc.abstractmethod
-    def finish_step(self, max_norm: float | None) -> tuple[torch.Tensor, bool]:
-        """(global gradient norm before clipping, whether the update was applied).
+    def finish_step(self, max_norm: float | None, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global gradient norm before clipping, whether the update was applied), device tensors.
 
         Clips by the global norm when `max_norm` is set and applies the optimizer update, unless
-        the norm is not finite: then nothing is applied (the same on every rank, since the norm
-        is global). The Engine zeroes gradients, steps the LR schedule and counts skips."""
+        `skip` (a device bool: the global batch had no valid token) or the norm is not finite:
+        then nothing is applied (the same on every rank, since both are global). The Engine zeroes
+        gradients, steps the LR schedule and counts skips."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:
@@ -102,6 +104,21 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
         """The full weights saved in `directory`, in one process, without a process group."""
+
+    @staticmethod
+    def apply_update(optimizer: torch.optim.Optimizer, applied: torch.Tensor) -> None:
+        """optimizer.step(), or nothing where `applied` is False, decided on the device when the
+        optimizer can (fused AdamW/Adam/SGD take GradScaler's `found_inf`); others read the flag
+        once (a host sync)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and not any(isinstance(p, DTensor) for p in params):
+            optimizer.grad_scale, optimizer.found_inf = None, (~applied).to(torch.float32)
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+        elif bool(applied):
+            optimizer.step()
 
     def state_dict(self) -> dict:
         """Optimizer (and strategy) state in memory, when it fits in one process; a sharded

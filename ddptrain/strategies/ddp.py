@@ -81,17 +81,16 @@ class DDPStrategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def finish_step(self, max_norm: float | None) -> tuple[torch.Tensor, bool]:
+    def finish_step(self, max_norm: float | None, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # After the synchronising backward every rank holds the same summed gradients, so this
         # norm is already global and identical on every rank: no extra collective.
         params = [p for p in self._module.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if not torch.isfinite(norm):
-            return norm, False
+        applied = torch.isfinite(norm) & ~skip
         if max_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        self.optimizer.step()
-        return norm, True
+        self.apply_update(self.optimizer, applied)
+        return norm, applied
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -258,20 +258,24 @@ class DeepSpeedStrategy(Strategy):
         # x W: ZeRO averages over the W data-parallel ranks; no 1/GAS: the Engine normalised by N_t.
         self.model.backward(loss * self._world_size, scale_wrt_gas=False)
 
-    def finish_step(self, max_norm: float | None) -> tuple[torch.Tensor, bool]:
+    def finish_step(self, max_norm: float | None, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSpeed's fused norm + clip + update; the global norm before clipping.
 
         DeepSpeed applies no update when that norm is not finite (and clears the gradients), so
-        `applied` is whether the norm was finite."""
+        `applied` is whether the norm was finite. Its step reads numbers on the host anyway (its
+        overflow and norm checks), so `skip` is read here too."""
         if max_norm != self.grad_clip and not (max_norm is None and self.grad_clip is None):
             raise ValueError(f"finish_step(max_norm={max_norm!r}) but DeepSpeed was configured with "
                              f"gradient_clipping from grad_clip={self.grad_clip!r}")
+        if bool(skip):  # no valid token anywhere: no update (and no weight decay, no moment update)
+            self.model.zero_grad()
+            return torch.tensor(float("nan"), dtype=torch.float64), torch.tensor(False)
         self.model.step()
         norm = self.model.get_global_grad_norm()
         if norm is None:
             raise RuntimeError("DeepSpeed computed no gradient norm (zero_optimization.compute_grad_norm=false?)")
         norm = torch.as_tensor(float(norm), dtype=torch.float64)
-        return norm, bool(torch.isfinite(norm))
+        return norm, torch.isfinite(norm)
 
     def zero_grad(self) -> None:
         # DeepSpeed clears its (partitioned) gradients itself after an update or a skipped
