@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -167,13 +168,24 @@ def set_parent_death_signal(signum: int = signal.SIGTERM) -> None:
     workers never outlive it (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing happens)."""
     if not sys.platform.startswith("linux"):
         return
+    launcher = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the launcher died before the call: the signal would never come
+    # The launcher died before the call (we were re-parented to init): the signal would never
+    # come. In a container torchrun itself may be PID 1, so PID 1 alone proves nothing.
+    if os.getppid() != launcher or (launcher == 1 and not _runs_torchrun(1)):
         os.kill(os.getpid(), signum)
+
+
+def _runs_torchrun(pid: int) -> bool:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return True  # cannot tell: do not kill ourselves on a guess
+    return any(name in command for name in (b"torchrun", b"torch.distributed.run", b"torch/distributed/run"))
 
 
 class Rank0Filter(logging.Filter):

@@ -131,12 +131,10 @@ class Engine:
                 with clock.phase("comm"):  # the host must know how many microbatches to run
                     wait_for_counts()
                     per_rank = counts[1:].tolist()
-                max_microbatches, total = max(per_rank), sum(per_rank)
-            else:
-                total = None
+                max_microbatches = max(per_rank)
             most = max(max_microbatches, 1)
             fillers = most - len(microbatches)
-            missing = most * get_world_size() - total if total is not None else fillers
+            missing = most * get_world_size() - counts[1:].sum()  # all ranks' fillers, read when logged
         else:
             fillers = missing = 0 if microbatches else 1
         if fillers:

@@ -26,7 +26,6 @@ import os
 import secrets
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
@@ -36,6 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4
+SEPARATOR = "-" * 40
+"""Printed between the samples of `python -m ddptrain.generate`."""
 MAX_SEED = 2**63 - 1
 
 
@@ -194,7 +195,7 @@ class _StopText:
         return text
 
 
-@dataclass
+@dataclass(eq=False)
 class Completion:
     """One request in the continuous batch: iterate `deltas()` for its text as it is generated."""
 
@@ -206,14 +207,10 @@ class Completion:
     completion_tokens: int = 0
     finish_reason: str | None = None
     """'stop' (a stop string or the end-of-sequence token) or 'length' (max_tokens), once done."""
-    submitted_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
     _outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     _done: bool = False
 
     def _push(self, output) -> None:  # on the event loop, from the dispatcher
-        if self.first_token_at is None and output.generated_tokens:
-            self.first_token_at = time.perf_counter()
         self._outputs.put_nowait(output)
 
     async def deltas(self) -> AsyncIterator[str]:
@@ -228,6 +225,8 @@ class Completion:
         try:
             while True:
                 output = await self._outputs.get()
+                while not self._outputs.empty():  # behind: each output holds all tokens so far, the last is enough
+                    output = self._outputs.get_nowait()
                 if output.error is not None:
                     raise GenerationError(f"request {self.id} failed: {output.error}")
                 for token in output.generated_tokens[len(tokens):]:
@@ -299,11 +298,12 @@ class Generator:
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         config = self.model.config.get_text_config()
-        self.context: int | None = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.context: int | None = (getattr(config, "max_position_embeddings", None)
+                                    or getattr(config, "n_positions", None))
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.model_name = self.model_dir.resolve().name if self.model_dir.name != "servable" else \
-            self.model_dir.resolve().parent.name
+        resolved = self.model_dir.resolve()
+        self.model_name = resolved.parent.name if resolved.name == "servable" else resolved.name  # RUN_DIR/servable
         self._requests: dict[str, Completion] = {}
         self._slots = itertools.count()
         self._manager = None
@@ -331,8 +331,11 @@ class Generator:
                                                  f"max_tokens must be <= {self.context - len(ids)}")
         return ids
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Add a request to the running batch (call on the event loop that ran `start`)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Completion:
+        """Add a request to the running batch (call on the event loop that ran `start`).
+
+        stream=False: the text is wanted only at the end, so the manager reports the request once, when
+        it is done, instead of after every token (unless stop strings need watching the text grow)."""
         if not self.is_healthy():
             raise GenerationError("the decoding loop is not running")
         if len(self._requests) >= self.max_active + self.max_queue:
@@ -346,7 +349,7 @@ class Generator:
             kwargs["slot"] = slot
         self._requests[completion.id] = completion
         self._manager.add_request(prompt_ids, request_id=completion.id, max_new_tokens=params.max_tokens,
-                                  streaming=True, **kwargs)
+                                  streaming=stream or bool(params.stop), **kwargs)
         return completion
 
     def _forget(self, completion: Completion) -> None:
@@ -391,7 +394,7 @@ class Generator:
         from transformers import ContinuousBatchingConfig
 
         config = self.model.config.get_text_config()
-        heads = getattr(config, "num_attention_heads")
+        heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * self.model.dtype.itemsize
@@ -407,9 +410,11 @@ class Generator:
     def _dispatch(self) -> None:
         """Moves the manager's outputs to their requests on the event loop, a batch at a time."""
         manager = self._manager
-        while not self._stopping.is_set():
+        while True:
             output = manager.get_result(timeout=0.1)
-            if output is None:
+            if output is None:  # nothing for 0.1 s: the end, once close() asked and all is delivered
+                if self._stopping.is_set():
+                    return
                 if not manager.is_running():
                     self._stopping.wait(0.1)
                 continue
@@ -438,12 +443,21 @@ class Generator:
 
     def close(self) -> None:
         """Stop the decoding loop and fail what is still in flight."""
-        self._stopping.set()
         if self._manager is not None and self._manager.is_running():
-            self._manager.stop(block=True, timeout=10)
+            self._manager.stop(block=True, timeout=10, hard_stop=True)  # fail what is in flight, do not finish it
+        self._stopping.set()
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=5)
         self._manager = None
+
+
+def quiet_transformers() -> None:
+    """Command-line tools: no progress bars and no per-request info lines from transformers."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
 
 
 # -- python -m ddptrain.generate --------------------------------------------------------------------
@@ -452,20 +466,26 @@ class Generator:
 async def _generate(args) -> int:
     from ddptrain.servable import servable_dir
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, stop=tuple(args.stop))
-    generator = Generator(servable_dir(args.path), max_active=max(len(args.prompt), 1), device=args.device)
-    prompts = [generator.prepare(prompt, params) for prompt in args.prompt]
+    generator = Generator(servable_dir(args.path), max_active=len(args.prompt), device=args.device)
+    requests = []
+    for prompt in args.prompt:
+        max_tokens = args.max_tokens
+        if max_tokens is None:  # as many as fit, at most 256
+            fits = generator.context - len(generator.tokenizer.encode(prompt).ids) if generator.context else 256
+            max_tokens = max(1, min(256, fits))
+        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, stop=tuple(args.stop))
+        requests.append((generator.prepare(prompt, params), params))
     generator.start()
     try:
-        completions = [generator.submit(ids, params) for ids in prompts]  # decoded together
+        completions = [generator.submit(ids, params, stream=False) for ids, params in requests]  # decoded together
         texts = await asyncio.gather(*(c.text() for c in completions))
     finally:
         generator.close()
     for index, (prompt, text) in enumerate(zip(args.prompt, texts)):
         if index:
-            print("\n" + "-" * 40)
-        print(prompt + text, end="" if text.endswith("\n") else "\n")
+            print(SEPARATOR)
+        print(prompt + text)
     return 0
 
 
@@ -475,7 +495,8 @@ def main(argv: list[str] | None = None) -> None:
         description="Continue prompts with a trained model (the serving path: continuous batching, one loop).")
     parser.add_argument("path", help="a ddptrain run directory or a transformers model directory")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens to generate per prompt (default: as many as the context holds, at most 256)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy; at most 2")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
     parser.add_argument("--seed", type=int, default=None, help="seed of each prompt's sampling")
@@ -484,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from ddptrain.servable import ServableError
 
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    quiet_transformers()
     try:
         sys.exit(asyncio.run(_generate(args)))
     except RequestError as error:

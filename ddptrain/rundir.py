@@ -138,7 +138,7 @@ class RunDirLock:
             pass
 
 
-PREVIOUS_RUN_FILES = ("checkpoints", "final", "metrics.jsonl", "config.yaml", "train.log", "wandb")
+PREVIOUS_RUN_FILES = ("checkpoints", "final", "servable", "metrics.jsonl", "config.yaml", "train.log", "wandb")
 
 
 def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:

@@ -6,15 +6,17 @@
 
 The decoding loop is transformers' continuous batching (ddptrain.generate.Generator) and the HTTP
 stack is the one `transformers serve` uses (FastAPI on uvicorn, the `transformers[serving]`
-extra). What `transformers serve --continuous-batching` does not do, and this server does:
-every field is checked (400 names the field and the rule, also for malformed JSON, where it
-answers 422 or 200), a prompt longer than the model's context is a 400 (there: a 500 from an
-index error), temperature/top_p/seed apply per request (there: the first request's values for
-every later one), `stop` applies (there: ignored), at most max_active + max_queue requests are in
-flight (more get 429), and a request whose client disconnects stops decoding at once.
+extra); transformers' own server is not used because, with --continuous-batching, it keeps the
+first request's temperature and top_p for every later request, ignores `stop`, answers
+max_tokens=-1 with 200, a prompt longer than the context with 500 and malformed JSON with 422
+(measured with transformers 5.24; docs/serving.md has the whole comparison). Here every field is
+checked (a 400 names the field and the rule), sampling is per request, at most max_active +
+max_queue requests are in flight (more get 429), and a request whose client disconnects stops
+decoding at the next iteration.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI reads the route's `request: Request` annotation at
+# run time, and Request is imported inside build_app (FastAPI is an optional extra).
 
 import argparse
 import asyncio
@@ -25,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from ddptrain.generate import Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams
+from ddptrain.generate import (Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams,
+                               quiet_transformers)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,8 @@ def parse_completion_request(raw: bytes) -> tuple[str, SamplingParams, bool]:
         raise RequestError("body", f"the request body must be a JSON object, not {type(body).__name__}")
     unknown = sorted(set(body) - set(ACCEPTED_FIELDS))
     if unknown:
-        raise RequestError(unknown[0], f"unknown field {unknown[0]!r}; this server accepts {', '.join(ACCEPTED_FIELDS)}")
+        raise RequestError(unknown[0], f"unknown field {unknown[0]!r}; this server accepts "
+                                       f"{', '.join(ACCEPTED_FIELDS)}")
     if "prompt" not in body:
         raise RequestError("prompt", "prompt is required (a string)")
     if body.get("n", 1) != 1:
@@ -115,7 +119,7 @@ def build_app(generator: Generator):
         except RequestError as error:
             return _error(400, str(error), error.field)
         try:
-            completion = generator.submit(prompt_ids, params)
+            completion = generator.submit(prompt_ids, params, stream=stream)
         except QueueFull as error:
             return _error(429, f"server busy: {error}; retry later", kind="rate_limit_error")
         except GenerationError as error:
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     from ddptrain.servable import ServableError, servable_dir
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(levelname)s] %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    quiet_transformers()
     try:
         directory = servable_dir(args.path)
         generator = Generator(directory, max_active=args.max_active, max_queue=args.max_queue, device=args.device,

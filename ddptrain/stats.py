@@ -28,9 +28,7 @@ class StepStats:
         self._loss, self._tokens, self._grad_norm, self._skipped = loss, tokens, grad_norm, skipped
         self._loss_sum = loss_sum  # global sum of token losses, once `wait` has run
         self._wait = wait
-        self.filler_microbatches = filler_microbatches
-        """Microbatches without targets that ranks with fewer microbatches ran to keep a strategy's
-        per-microbatch collectives in step (all ranks together)."""
+        self._fillers = filler_microbatches
         self.forward_backward_s = 0.0
         """Host seconds in forward and backward passes (DDP's overlapped gradient all-reduce included)."""
         self.comm_wait_s = 0.0
@@ -42,6 +40,12 @@ class StepStats:
     def tokens(self) -> int:
         """Global number of valid target tokens N_t."""
         return int(self._tokens)
+
+    @property
+    def filler_microbatches(self) -> int:
+        """Microbatches without targets that ranks with fewer microbatches ran to keep a strategy's
+        per-microbatch collectives in step (all ranks together)."""
+        return int(self._fillers)
 
     @property
     def loss(self) -> float:
@@ -75,7 +79,7 @@ class StepStats:
         """Pickled (sent between processes) as plain numbers: reading them waits for the device."""
         state = dict(self.__dict__)
         state.update(_loss=self.loss, _loss_sum=None, _wait=None, _tokens=self.tokens,
-                     _grad_norm=_number(self._grad_norm), _skipped=self.skipped)
+                     _grad_norm=_number(self._grad_norm), _skipped=self.skipped, _fillers=self.filler_microbatches)
         return state
 
     def __repr__(self) -> str:

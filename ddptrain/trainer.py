@@ -26,12 +26,15 @@ from ddptrain.engine import Engine, StepStats
 from ddptrain.flops import ModelFlops, device_peak_flops
 from ddptrain.fsutil import describe_write_error
 from ddptrain.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
+from ddptrain.compiling import compile_model
 from ddptrain.models.build import ModelError, accepts_packed_rows, build_model, num_parameters
+from ddptrain.models.memory import enable_activation_checkpointing
 from ddptrain.objective import IGNORE_INDEX, Objective, token_loss_sum
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.preemption import Preempted, PreemptionWatcher
 from ddptrain.resume import SCHEDULE_KEYS, check_config, defaults_of, reset_learning_rate
 from ddptrain.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
+from ddptrain.verify import log_equivalence_caveats
 from ddptrain.weights import SPEC_FILE, save_final
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ class Trainer:
                                           micro_tokens=cfg.batch.micro_tokens, pack=cfg.batch.pack,
                                           seq_len=cfg.batch.seq_len)
         model = self._build_model()
+        log_equivalence_caveats(model)  # batch-dependent or stochastic modules: rank 0 warns once
         optimizer = build_optimizer(model, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay, tuple(cfg.optim.betas))
         scheduler = build_scheduler(optimizer, cfg.optim.schedule, cfg.optim.warmup_steps, self.decay_steps,
                                     cfg.optim.min_lr_ratio)
@@ -140,6 +144,10 @@ class Trainer:
             if limit is not None and cfg.batch.seq_len > limit:
                 raise ModelError(f"batch.seq_len={cfg.batch.seq_len} exceeds the model's context of {limit} "
                                  f"positions (model.path={cfg.model.path})")
+        if cfg.trainer.activation_checkpointing:
+            enable_activation_checkpointing(model, self.model_spec)
+        if cfg.trainer.compile:
+            compile_model(model)  # after check_packing's eager forward
         return model
 
     def _write_run_dir(self) -> None:

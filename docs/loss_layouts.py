@@ -8,7 +8,7 @@ config with global batch 8: 1 rank x micro 8, 2 ranks x micro 2 (accumulation 2)
 (accumulation 4). The naive run is a DEMONSTRATION ONLY, not a ddptrain option: it builds the same
 Trainer (same data, seed, init, optimizer, schedule, evaluation, metrics) in one process with micro
 batch 1, and swaps Engine.step for a loop that backpropagates the mean of per-microbatch mean
-losses, the scheme DESIGN.md warns about. Its logged `loss` is still the global mean over valid
+losses, the scheme docs/architecture.md warns about. Its logged `loss` is still the global mean over valid
 tokens of its batch, so all curves measure the same thing.
 """
 

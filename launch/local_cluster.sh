@@ -14,7 +14,9 @@
 # Everything lives under DDPTRAIN_SLURM_DIR (default /tmp/ddptrain-slurm): etc/slurm.conf, state,
 # spool, logs, pid files. /etc/slurm/slurm.conf becomes a symlink to our file unless a real one
 # already exists there; otherwise `export SLURM_CONF=$DDPTRAIN_SLURM_DIR/etc/slurm.conf`.
-# Idempotent: a second `start` with the cluster up returns in well under a second.
+# Idempotent: a second `start` with the cluster up returns in well under a second. A controller
+# that answers on our port but is not ours (another cluster on this machine, or this script with
+# another DDPTRAIN_SLURM_DIR) is refused: jobs would silently go to it. Pick other ports then.
 #
 # Knobs (environment): DDPTRAIN_SLURM_DIR, DDPTRAIN_SLURM_CTLD_PORT (6817),
 # DDPTRAIN_SLURM_NODE_PORTS ("6818 6819"), DDPTRAIN_SLURM_CPUS (nproc).
@@ -26,6 +28,7 @@ readonly CTLD_PORT="${DDPTRAIN_SLURM_CTLD_PORT:-6817}"
 read -r -a NODE_PORTS <<<"${DDPTRAIN_SLURM_NODE_PORTS:-6818 6819}"
 readonly NODES=(node1 node2)
 readonly PARTITION=debug
+readonly CLUSTER=ddptrain
 export SLURM_CONF="$CONF"
 
 log() { echo "local_cluster: $*" >&2; }
@@ -76,7 +79,7 @@ write_conf() { # writes $CONF.new; the caller decides whether it changed
     mkdir -p "$SLURM_DIR"/{etc,state,log,run,spool}
     cat >"$CONF.new" <<EOF
 # Written by launch/local_cluster.sh: a two-node Slurm cluster on one machine ($host).
-ClusterName=ddptrain
+ClusterName=$CLUSTER
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmUser=root
@@ -183,6 +186,27 @@ wait_idle() {
     done
 }
 
+# The controller answering on our port: "ClusterName SLURM_CONF" as it reports them itself;
+# nothing when none answers.
+answering_controller() {
+    local shown
+    shown="$(scontrol show config 2>/dev/null)" || return 0
+    awk -F' += +' '
+        $1 == "ClusterName" { name = $2 }
+        $1 == "SLURM_CONF" { conf = $2 }
+        END { if (name != "") print name, conf }' <<<"$shown"
+}
+
+# Refuse to go on when a controller that is not ours answers on our port.
+refuse_foreign_controller() {
+    local answering
+    answering="$(answering_controller)"
+    [[ -z "$answering" || "$answering" == "$CLUSTER $CONF" ]] && return 0
+    die "a Slurm controller that is not this cluster's answers on port $CTLD_PORT" \
+        "(cluster ${answering% *}, config ${answering#* }; ours: cluster $CLUSTER, config $CONF)." \
+        "Stop it, or use other ports: DDPTRAIN_SLURM_CTLD_PORT and DDPTRAIN_SLURM_NODE_PORTS"
+}
+
 all_running() {
     pid_alive "$SLURM_DIR/run/slurmctld.pid" || return 1
     local node
@@ -198,6 +222,7 @@ cmd_start() {
         write_conf
         if cmp -s "$CONF" "$CONF.new"; then
             rm -f "$CONF.new"
+            refuse_foreign_controller
             log "already running ($CONF)"
             return 0
         fi
@@ -211,10 +236,13 @@ cmd_start() {
     else
         rm -f "$CONF.new"
     fi
+    # Before touching /etc: our slurmctld could not take the port, and jobs would go to the other.
+    refuse_foreign_controller
     add_hosts
     link_default_conf
     start_daemons
     wait_idle
+    refuse_foreign_controller
     log "up: $(sinfo -h -N -o '%N=%t' | tr '\n' ' ')(SLURM_CONF=$CONF)"
 }
 
@@ -243,7 +271,7 @@ cmd_stop() {
 
 cmd_status() {
     sinfo -N -l
-    all_running && nodes_idle
+    all_running && nodes_idle && refuse_foreign_controller
 }
 
 case "${1:-start}" in

@@ -72,7 +72,8 @@ def test_run_dir_is_shared_and_written_by_rank_zero_only(tmp_path):
                       "batch.seq_len=64", f"run.dir={run_dir}"], nproc=2, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "Hydra must not create outputs/ or .hydra/"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl", "train.log"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "final", "metrics.jsonl",
+                                                         "train.log"]
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for key in ("step", "loss", "tokens", "lr", "grad_norm", "tokens_per_second"):
@@ -85,10 +86,10 @@ BAD_CONFIGS = [
     (["strategy=zero7"], 1, ["strategy/zero7"]),
     (["batch.micro_size=0"], 1, ["batch.micro_size=0 must be > 0"]),
     (["trainer.max_steps=-3"], 1, ["trainer.max_steps=-3 must be > 0"]),
-    (["trainer.precision=fp16"], 1, ["trainer.precision='fp16'", "not supported yet"]),
+    (["trainer.precision=fp8"], 1, ["trainer.precision='fp8' is not one of fp32, fp64, bf16, fp16"]),
     (["trainer.max_stepz=3"], 1, ["max_stepz"]),
     (["batch.micro_tokens=100", "batch.seq_len=128"], 1, ["batch.micro_tokens=100 must be >= batch.seq_len=128"]),
-    (["batch.pack=true", "strategy=zero2"], 1, ["strategy=zero2 (DeepSpeed"]),
+    (["trainer.precision=fp64", "strategy=zero2"], 1, ["trainer.precision=fp64 is not supported with strategy=zero2"]),
     (["batch.global_size=6", "batch.micro_size=4"], 2,
      ["batch.global_size=6 must be divisible by batch.micro_size=4 x world size 2"]),
 ]

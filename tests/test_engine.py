@@ -61,9 +61,25 @@ def update(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
+def _two_rank_scenarios() -> dict:
+    """Every 2-rank scenario of this file in one process group (one spawn instead of one each)."""
+    return {
+        "step": {case: _engine_step(case) for case in CASES},
+        "clipped": _step_with_grad_clip("ragged_with_empty_microbatch", 0.1),
+        "collectives": _count_gloo_collectives((1, 4, 8)),
+        "empty": _empty_global_step(),
+    }
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks() -> list[dict]:
+    """The scenarios' results of rank 0 and rank 1."""
+    return run_distributed(_two_rank_scenarios, 2)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_two_ranks_equal_one_process_on_global_mean_token_loss(case):
-    results = run_distributed(_engine_step, 2, case)
+def test_two_ranks_equal_one_process_on_global_mean_token_loss(on_two_ranks, case):
+    results = [rank["step"][case] for rank in on_two_ranks]
     ref_loss, ref_tokens, before, ref_params = reference_step(all_microbatches(case))
     for rank, (stats, params) in enumerate(results):
         assert stats.tokens == ref_tokens, f"rank {rank}: N_t {stats.tokens} != {ref_tokens}"
@@ -85,7 +101,7 @@ def _step_with_grad_clip(case: str, max_norm: float):
     return stats, engine.model_state_dict()
 
 
-def test_clipping_uses_the_global_norm_after_normalisation():
+def test_clipping_uses_the_global_norm_after_normalisation(on_two_ranks):
     case = "ragged_with_empty_microbatch"
     microbatches = all_microbatches(case)
     model = tiny_gpt(torch.float64)
@@ -94,8 +110,7 @@ def test_clipping_uses_the_global_norm_after_normalisation():
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1))
     torch.optim.SGD(model.parameters(), lr=1.0).step()
-    results = run_distributed(_step_with_grad_clip, 2, case, 0.1)
-    for stats, params in results:
+    for stats, params in (rank["clipped"] for rank in on_two_ranks):
         assert math.isclose(stats.grad_norm, norm, rel_tol=1e-9)
         assert relative_difference(params, model.state_dict()) < 1e-9
     assert norm > 0.1, "the clip must bite for this test to mean anything"
@@ -113,13 +128,13 @@ def _count_gloo_collectives(microbatch_counts: tuple[int, ...]) -> dict[int, int
         microbatches = [microbatch(2, [12, 5], seed) for seed in range(num_microbatches)]
         engine.step(microbatches)  # warm-up: DDP rebuilds its buckets after the first step
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            engine.step(microbatches)
+            engine.step(microbatches).loss  # reading the loss waits for its (asynchronous) all-reduce
         counts[num_microbatches] = sum(1 for event in prof.events() if event.name.startswith("gloo:"))
     return counts
 
 
-def test_collectives_per_step_do_not_grow_with_microbatches():
-    counts = run_distributed(_count_gloo_collectives, 2, (1, 4, 8))[0]
+def test_collectives_per_step_do_not_grow_with_microbatches(on_two_ranks):
+    counts = on_two_ranks[0]["collectives"]
     assert counts[1] > 0, "the profiler saw no gloo collective: the count proves nothing"
     assert counts[1] == counts[4] == counts[8], counts
 
@@ -134,8 +149,8 @@ def _empty_global_step():
     return stats, before, after_empty, next_stats, engine.model_state_dict(), engine.skipped_steps
 
 
-def test_global_step_without_valid_tokens_is_skipped_on_every_rank():
-    for stats, before, after_empty, next_stats, after_next, skipped in run_distributed(_empty_global_step, 2):
+def test_global_step_without_valid_tokens_is_skipped_on_every_rank(on_two_ranks):
+    for stats, before, after_empty, next_stats, after_next, skipped in (rank["empty"] for rank in on_two_ranks):
         assert stats.skipped and stats.reason == "no_valid_tokens" and stats.tokens == 0
         assert all(torch.equal(before[k], after_empty[k]) for k in before), "a skipped step changed weights"
         assert not next_stats.skipped and math.isfinite(next_stats.loss)

@@ -92,6 +92,7 @@ def _trainer_loop(run_dir: str):
     return calls
 
 
+@pytest.mark.slow
 def test_the_trainer_reads_numbers_only_on_log_checkpoint_and_preemption_steps(tmp_path):
     calls = run_distributed(_trainer_loop, 2, str(tmp_path))[0]
     # trainer.step counts finished steps: 4 and 8 ask for preemption, 6 and 12 log, 12 evaluates and saves.

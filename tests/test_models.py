@@ -70,6 +70,7 @@ def test_unknown_keys_are_refused_however_they_are_written(tmp_path, override, k
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_model_errors_name_the_value_and_the_rule(tmp_path):
     missing = run_cli(["model=hf", f"model.path={tmp_path / 'nowhere'}", *RUN, f"run.dir={tmp_path / 'a'}"])
     assert missing.returncode == 2 and f"model.path={tmp_path / 'nowhere'}: no such directory" in missing.stderr

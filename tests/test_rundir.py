@@ -198,6 +198,7 @@ def test_resume_refuses_changed_keys_by_name_and_applies_a_new_learning_rate(tmp
     assert read_metrics(run_dir)[-1]["lr"] == pytest.approx(0.005)
 
 
+@pytest.mark.slow
 def test_resume_from_a_path_that_does_not_exist_says_so(tmp_path):
     result = run_cli([*SMALL, f"run.dir={tmp_path}", f"checkpoint.resume={tmp_path / 'nope'}", "trainer.max_steps=1"])
     assert result.returncode == 2 and f"{tmp_path / 'nope'} does not exist" in result.stderr
@@ -235,6 +236,7 @@ def test_a_full_disk_names_the_path_on_every_rank_and_keeps_the_previous_checkpo
 # -- checkpoints at scale -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_each_rank_hashes_a_balanced_share_and_a_step_is_written_once(tmp_path):
     from ddptrain.testing import run_distributed
 
@@ -288,6 +290,7 @@ def _one_rank_fails() -> None:
     assert time.monotonic() - started < 30, "no rank may wait for the timeout"
 
 
+@pytest.mark.slow
 def test_a_malformed_marker_is_skipped_by_name_on_every_rank(tmp_path):
     from ddptrain.testing import run_distributed
 
@@ -336,6 +339,7 @@ def test_a_token_file_of_only_end_of_document_tokens_is_refused_in_bounded_memor
     assert not list((tmp_path / "cache").glob("*.tmp-*")), "the failed build leaves no temporary directory"
 
 
+@pytest.mark.slow
 def test_a_single_document_corpus_does_not_blame_val_percent(tmp_path):
     (tmp_path / "one.txt").write_text("just one document")
     result = run_cli([*SMALL, "data=text", f"data.paths=[{tmp_path / 'one.txt'}]", "data.val_percent=0",

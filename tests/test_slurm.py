@@ -1,9 +1,9 @@
 """The Slurm templates in launch/, submitted to a real Slurm cluster.
 
 A session fixture starts the two-node local cluster of launch/local_cluster.sh (Debian's slurmctld,
-two `slurmd -N nodeN` daemons, munge; it installs them with apt-get when missing). The tests are
-skipped only when Slurm cannot be installed or started for lack of root; any other cluster failure
-is a test failure.
+two `slurmd -N nodeN` daemons, munge; as root it installs them with apt-get when missing, appends
+node1 and node2 to /etc/hosts and links /etc/slurm/slurm.conf). The tests are skipped only when
+Slurm cannot be installed or started for lack of root; any other cluster failure is a test failure.
 
 Training jobs are awaited by polling `scontrol show job` every half second rather than with
 `sbatch --wait`: sbatch polls after 2, 10 and then 42 seconds, which would triple the time of these
@@ -144,7 +144,8 @@ def test_local_cluster_refuses_a_controller_that_is_not_its_own(slurm_env, tmp_p
     started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], capture_output=True, text=True, timeout=120,
                              env={**slurm_env, "DDPTRAIN_SLURM_DIR": str(other)})
     assert started.returncode != 0, started.stderr
-    assert (f"a Slurm controller that is not this cluster's answers on port 6817 (cluster ddptrain, config "
+    port = os.environ.get("DDPTRAIN_SLURM_CTLD_PORT", "6817")
+    assert (f"a Slurm controller that is not this cluster's answers on port {port} (cluster ddptrain, config "
             f"{SLURM_CONF}; ours: cluster ddptrain, config {other}/etc/slurm.conf)") in started.stderr, started.stderr
     assert os.path.realpath("/etc/slurm/slurm.conf") == linked
     assert not list((other / "run").glob("*.pid")), "no daemon of the refused cluster may start"

@@ -261,10 +261,18 @@ def test_bad_jsonl_lines_name_the_file_and_line(tmp_path, line, message):
         _load(tmp_path, "jsonl", [path], on_decode_error="error")
 
 
-def test_undecodable_jsonl_bytes_are_replaced_by_default(tmp_path):
-    path = _write(tmp_path, "c.jsonl", b'{"text": "fine line one"}\n{"text": "bad \xff byte"}\n')
-    data = _load(tmp_path, "jsonl", [path], val_percent=0.0)
+def test_undecodable_jsonl_bytes_are_replaced_counted_and_warned_by_default(tmp_path, caplog):
+    path = _write(tmp_path, "c.jsonl", b'{"text": "fine line one"}\n{"text": "bad \xff byte"}\n'
+                                       b'{"text": "fine line three"}\n{"text": "\xfe also bad"}\n')
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        data = _load(tmp_path, "jsonl", [path], val_percent=0.0)
     assert "bad \ufffd byte".encode() in _docs(data.train) + _docs(data.val)
+    assert f"2 document(s) had bytes that are not UTF-8, replaced by U+FFFD (data.on_decode_error=replace), " \
+           f"e.g. {path}:2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):  # the count lives in the cache entry
+        _load(tmp_path, "jsonl", [path], val_percent=0.0)
+    assert "2 document(s) had bytes that are not UTF-8" in caplog.text
 
 
 def test_token_ids_beyond_the_vocabulary_are_named(tmp_path):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -19,6 +20,8 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them (less memory, ~1/3 more compute)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,6 +75,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = cfg.activation_checkpointing
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -106,7 +110,12 @@ class GPT(nn.Module):
             mask = ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
-            x = block(x, mask)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Non-reentrant: works with no_sync, keyword arguments and inputs without grad,
+                # and restores the RNG state so that dropout recomputes the same mask.
+                x = checkpoint(block, x, mask, use_reentrant=False)
+            else:
+                x = block(x, mask)
         return self.head(self.ln_f(x))  # (B, T, V)
 
     def num_parameters(self) -> int:

@@ -88,9 +88,26 @@ def load_pretrained_dir(directory: Path) -> nn.Module:
 
 
 def _prepare_for_training(model: nn.Module) -> None:
+    # from_pretrained returns the model in eval mode: dropout off, and activation checkpointing
+    # (active only while training) silently off too.
+    model.train()
     # A training forward needs no key/value cache: building one costs memory and time.
     model.config.use_cache = False
     model.register_forward_pre_hook(_packed_rows_to_hf, with_kwargs=True)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """transformers' per-layer checkpointing, non-reentrant (keyword arguments, no_sync and
+    inputs without grad all work with it). transformers 5 renamed gradient_checkpointing_enable
+    to activation_checkpointing_enable and deprecated the old name; older versions have only it."""
+    kwargs = {"use_reentrant": False}
+    try:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    except ValueError as error:  # "... does not support activation checkpointing"
+        raise ModelError(f"trainer.activation_checkpointing=true: {error}") from None
 
 
 def max_positions(model: nn.Module) -> int | None:

@@ -1,0 +1,114 @@
+"""Per-rank memory of ddp vs zero1, zero2, zero3 and fsdp on the same model: `python -m benchmarks.bench_memory`.
+
+Two gloo ranks on the CPU (or GPUs when present) each build the same GPT, take one AdamW step
+with every strategy in turn, and count the bytes this rank holds for the model's weights (ZeRO-3:
+its partitions; FSDP: its DTensor shards), its gradients at the end of the step, and the
+optimizer state (Adam's exp_avg and exp_avg_sq). ZeRO-1 should hold
+about 1/world_size of DDP's optimizer state, ZeRO-3 also about 1/world_size of the weights.
+(ZeRO-2's gradient partitioning lives in DeepSpeed's internal buffers and is not counted here.)
+Needs DeepSpeed for the zero rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+def _local(tensor):
+    """This rank's part of a tensor: a DTensor's local shard (FSDP), a ZeRO-3 partition, or all of it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    return getattr(tensor, "ds_tensor", tensor)
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if torch.is_tensor(t))
+
+
+def _measure(strategy: str, n_layer: int, n_embd: int, seq_len: int) -> dict:
+    import ddptrain
+    from ddptrain.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, max_seq_len=seq_len, n_layer=n_layer, n_head=4, n_embd=n_embd))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"micro_batch_size": 2, "grad_accum_steps": 1} if strategy.startswith("zero") else {}
+    engine = ddptrain.Engine(model, optimizer, strategy, strategy_options=options)
+    module = getattr(engine.model, "module", engine.model)  # DDP and DeepSpeed wrap; FSDP2 shards in place
+    gradients = []
+    zero_grad = engine.strategy.zero_grad
+
+    def count_then_zero():  # the gradients this rank holds when the step ends, before they are dropped
+        gradients.append(_tensor_bytes(p.grad for p in module.parameters() if p.grad is not None))
+        zero_grad()
+
+    engine.strategy.zero_grad = count_then_zero
+    gen = torch.Generator().manual_seed(ddptrain.get_rank())
+    tokens = torch.randint(0, 256, (2, seq_len + 1), generator=gen)
+    engine.step([(tokens[:, :-1], tokens[:, 1:])])  # Adam creates its state on the first step
+    optimizer = engine.strategy.optimizer  # the torch AdamW (ZeRO hands it its flat partitions)
+    state = _tensor_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    weights = _tensor_bytes(p for p in module.parameters())
+    # ZeRO-2/3 keep their gradient partitions in DeepSpeed's own buffers, not in .grad: not counted.
+    grads = None if strategy in ("zero2", "zero3") else gradients[-1]
+    return {"strategy": strategy, "rank": ddptrain.get_rank(), "optimizer_state": state, "weights": weights,
+            "gradients": grads,
+            "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else _numel(p) for p in module.parameters())}
+
+
+def _numel(param) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def _measure_all(strategies: tuple[str, ...], n_layer: int, n_embd: int, seq_len: int) -> list[dict]:
+    return [_measure(name, n_layer, n_embd, seq_len) for name in strategies]
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:9.2f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    args = parser.parse_args(argv)
+
+    from ddptrain.testing import run_distributed
+
+    strategies = tuple(args.strategies.split(","))
+    results = run_distributed(_measure_all, args.world_size, strategies, args.n_layer, args.n_embd, args.seq_len,
+                              timeout_s=900)
+    ddp = {r: rows[0] for r, rows in enumerate(results)} if strategies[0] == "ddp" else None
+    print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd}: {results[0][0]['parameters']:,} parameters (fp32), "
+          f"AdamW, {args.world_size} ranks; MiB held per rank")
+    print(f"{'strategy':8} {'rank':>4} {'weights':>9} {'vs ddp':>7} {'grads':>9} {'vs ddp':>7} "
+          f"{'opt state':>10} {'vs ddp':>7}")
+
+    def ratio(row, rank, key):
+        if not ddp or row[key] is None or not ddp[rank][key]:
+            return "      -"
+        return f"{row[key] / ddp[rank][key]:7.2f}"
+
+    for rank, rows in enumerate(results):
+        for row in rows:
+            grads = _mib(row["gradients"]) if row["gradients"] is not None else "      n/a"
+            print(f"{row['strategy']:8} {rank:>4} {_mib(row['weights']):>9} {ratio(row, rank, 'weights')} "
+                  f"{grads:>9} {ratio(row, rank, 'gradients')} {_mib(row['optimizer_state']):>10} "
+                  f"{ratio(row, rank, 'optimizer_state')}")
+    print("n/a: ZeRO-2/3 keep gradient partitions in DeepSpeed's internal buffers, not in .grad")
+
+
+if __name__ == "__main__":
+    main()

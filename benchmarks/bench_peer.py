@@ -1,0 +1,316 @@
+"""ddptrain against the Hugging Face Trainer on ragged data: valid target tokens per second.
+
+    python -m benchmarks.bench_peer                    # 3 interleaved rounds, 2 gloo ranks on CPU
+    python -m benchmarks.bench_peer --rounds 5 --contenders ddptrain-pack,hf-group,hf-rebalance
+
+Both train the same model, a small Llama built from a config.json (no weights, no download), on
+the same ragged corpus: the standard-library sources of this interpreter cut into paragraphs
+(`data=text data.split_by=paragraph`, byte tokens; most paragraphs are far shorter than seq_len,
+so padding to the longest sequence wastes about a third to half of a random microbatch). The
+Trainer gets exactly ddptrain's training examples (ddptrain.data.load_splits with the same data
+config), each fed as `input_ids` = `labels` (the model shifts them), so a row of L tokens has the
+same L - 1 valid targets on both sides. Same global batch (sequences per optimizer step), same
+seq_len, fp32, AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1, constant schedule), clipping at
+1.0, 2 ranks with gloo, one thread per rank.
+
+Contenders (each a fresh `torchrun --nproc_per_node=2` per round; default: all but hf-rebalance):
+
+- ddptrain-pack: the CLI (`-m ddptrain model=hf model.path=DIR ...`) with batch.pack=true: rows of
+  seq_len tokens holding several documents, attention kept inside each document by a 4D mask,
+  positions restarting per document. A packed "sequence" is a row, so the global batch is set to
+  the rows that hold as many valid targets as global_batch average examples (the step's work and
+  its gradient noise stay comparable); microbatches of <= micro x seq_len tokens.
+- ddptrain: the same CLI with token-budget microbatches (batch.micro_tokens = micro x seq_len: no
+  microbatch holds more padded tokens than one of the Trainer's) and global_batch sequences.
+  For both, the figure is metrics.jsonl's tokens_per_second: global valid target tokens divided
+  by the seconds spent in data wait + Engine.step (ddptrain/metrics.py), over the windows after
+  the first (warm-up) one.
+- hf / hf-group / hf-rebalance: transformers.Trainer with average_tokens_across_devices=True (the
+  exact global token mean), per_device_train_batch_size=micro and gradient accumulation to the same
+  global batch, padding each microbatch to its longest row (no attention mask: right padding under
+  a causal mask changes nothing, and a padding mask would only slow the Trainer down);
+  train_sampling_strategy random | group_by_length | batch_rebalance (older transformers:
+  group_by_length=True). Its figure: the valid targets of the steps after the warm-up window (every
+  rank's, counted in training_step) divided by rank 0's wall time between those steps' ends.
+
+The timed steps (6..30 by default) are one full cycle of group_by_length's megabatches (50 x the
+per-rank step batch, sorted longest first, so 25 steps on 2 ranks): timing only its first steps
+would time only its longest, best-filled batches. Note what group_by_length buys its speed with:
+its steps are no longer random samples (a step of long sequences, then shorter and shorter ones),
+whereas ddptrain's layouts keep each step's global batch the seeded random sample and only decide
+which rank and microbatch computes each example.
+
+Rounds run the contenders in alternating order (ABC, CBA, ...) so that the noise of a shared
+machine hits all alike; the report is the per-round figures and the median of per-round ratios.
+A figure, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONTENDERS = ("ddptrain", "ddptrain-pack", "hf", "hf-group", "hf-rebalance")
+DEFAULT_CONTENDERS = "ddptrain-pack,ddptrain,hf,hf-group"
+HF_SAMPLING = {"hf": "random", "hf-group": "group_by_length", "hf-rebalance": "batch_rebalance"}
+LR, BETAS, WEIGHT_DECAY, GRAD_CLIP, SEED = 1e-3, (0.9, 0.95), 0.1, 1.0, 1234
+
+
+def stdlib_glob() -> str:
+    from ddptrain.data.sources import stdlib_root
+
+    return str(stdlib_root() / "*.py")
+
+
+def data_overrides(args) -> list[str]:
+    return ["data=text", f"data.paths=[{args.data_glob}]", "data.split_by=paragraph", "data.tokenizer=byte"]
+
+
+def training_examples(args):
+    """ddptrain's training examples for `data_overrides` (through its cache): what every contender trains on."""
+    from omegaconf import OmegaConf
+
+    from ddptrain.config import DataConfig
+    from ddptrain.data import load_splits
+
+    data_cfg = OmegaConf.structured(DataConfig(name="text", paths=[args.data_glob], split_by="paragraph",
+                                               tokenizer="byte"))
+    return load_splits(data_cfg, args.seq_len).train
+
+
+def packed_rows(args, examples) -> int:
+    """Packed rows per step holding about as many valid targets as global_batch average examples."""
+    mean_targets = examples.valid_targets() / len(examples)
+    return max(args.world_size, round(args.global_batch * mean_targets / args.seq_len))
+
+
+def write_model_dir(directory: Path, seq_len: int, width: int, layers: int) -> None:
+    """config.json of a small Llama (GQA, RoPE, SwiGLU) over byte tokens; no weights."""
+    import transformers
+
+    transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=int(width * 8 / 3) // 8 * 8,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=seq_len, use_cache=False,
+                             tie_word_embeddings=False).save_pretrained(directory)
+
+
+# -- ddptrain through its CLI -----------------------------------------------------------------
+
+
+def run_ddptrain(args, model_dir: Path, run_dir: Path, pack: bool) -> float:
+    global_size = args.pack_rows if pack else args.global_batch
+    cmd = [*torchrun(args), "-m", "ddptrain", "model=hf", f"model.path={model_dir}", *data_overrides(args),
+           f"batch.seq_len={args.seq_len}", f"batch.global_size={global_size}", f"batch.pack={str(pack).lower()}",
+           f"batch.micro_tokens={args.micro_tokens}",
+           f"trainer.max_steps={args.steps}", f"trainer.log_every={args.log_every}", "trainer.eval_examples=1",
+           f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.weight_decay={WEIGHT_DECAY}",
+           "optim.schedule=constant", "optim.warmup_steps=0", f"trainer.grad_clip={GRAD_CLIP}",
+           "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines"]
+    execute(cmd, args)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed = [r for r in records if r["step"] > args.log_every and r.get("tokens_per_second")]
+    if not timed:
+        raise RuntimeError(f"{run_dir}/metrics.jsonl has no window after step {args.log_every}: {records}")
+    # tokens_per_second = window tokens / window seconds: recombine the windows after the first.
+    seconds = [r["step_time_s"] * args.log_every for r in timed]
+    tokens = [r["tokens_per_second"] * s for r, s in zip(timed, seconds)]
+    return sum(tokens) / sum(seconds)
+
+
+# -- the Hugging Face Trainer (run under torchrun: --hf-worker) -------------------------------
+
+
+def hf_worker(args) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from ddptrain.objective import IGNORE_INDEX
+
+    torch.set_num_threads(args.threads)
+    examples = training_examples(args)  # the same examples ddptrain trains on
+
+    class Examples(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(examples)
+
+        def __getitem__(self, index):
+            start, length = examples.starts[index], examples.lengths[index]
+            return {"input_ids": np.asarray(examples.tokens[start:start + length], dtype=np.int64)}
+
+    def pad_to_longest(features):
+        width = max(len(f["input_ids"]) for f in features)
+        input_ids = torch.zeros(len(features), width, dtype=torch.long)
+        labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
+        for row, feature in enumerate(features):
+            ids = torch.from_numpy(feature["input_ids"])
+            input_ids[row, :len(ids)] = ids
+            labels[row, :len(ids)] = ids
+        return {"input_ids": input_ids, "labels": labels}
+
+    step_tokens: dict[int, int] = {}
+    step_ends: dict[int, float] = {}
+
+    class CountingTrainer(transformers.Trainer):
+        def training_step(self, model, inputs, *rest, **kwargs):
+            step = self.state.global_step + 1  # the step this microbatch belongs to
+            step_tokens[step] = step_tokens.get(step, 0) + int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+            return super().training_step(model, inputs, *rest, **kwargs)
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            step_ends[state.global_step] = time.perf_counter()
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    accumulation, remainder = divmod(args.global_batch, args.micro * world_size)
+    if remainder or not accumulation:
+        raise SystemExit(f"global batch {args.global_batch} must be divisible by micro {args.micro} "
+                         f"x world size {world_size}")
+    sampling = {}
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    if "train_sampling_strategy" in fields:
+        sampling["train_sampling_strategy"] = HF_SAMPLING[args.hf_worker]
+    elif args.hf_worker == "hf-group":
+        sampling["group_by_length"] = True
+    elif args.hf_worker != "hf":
+        raise SystemExit(f"{args.hf_worker} needs transformers with train_sampling_strategy")
+    targs = transformers.TrainingArguments(
+        output_dir=args.out, per_device_train_batch_size=args.micro, gradient_accumulation_steps=accumulation,
+        max_steps=args.steps, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], weight_decay=WEIGHT_DECAY,
+        max_grad_norm=GRAD_CLIP, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        average_tokens_across_devices=True, logging_steps=args.steps, save_strategy="no", eval_strategy="no",
+        report_to=[], disable_tqdm=True, use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0,
+        remove_unused_columns=False, seed=SEED, ddp_find_unused_parameters=False, **sampling)
+    torch.manual_seed(SEED)
+    config = transformers.AutoConfig.from_pretrained(args.model_dir, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    trainer = CountingTrainer(model=model, args=targs, train_dataset=Examples(), data_collator=pad_to_longest,
+                              callbacks=[Clock()])
+    trainer.train()
+    timed = range(args.log_every + 1, args.steps + 1)
+    tokens = torch.tensor([sum(step_tokens.get(step, 0) for step in timed)], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tokens)
+    if int(os.environ.get("RANK", "0")) == 0:
+        seconds = step_ends[args.steps] - step_ends[args.log_every]
+        Path(args.out, "result.json").write_text(json.dumps({"tokens": int(tokens), "seconds": seconds}))
+    # A DDP module still alive when the process exits with its group sometimes aborts it ("terminate
+    # called without an active exception"; see ddptrain/__main__.py): free both first.
+    del trainer, model
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_hf(args, model_dir: Path, out_dir: Path, contender: str) -> float:
+    cmd = [*torchrun(args), "-m", "benchmarks.bench_peer", "--hf-worker", contender, "--model-dir", str(model_dir),
+           "--out", str(out_dir), *shared_flags(args)]
+    execute(cmd, args)
+    result = json.loads((out_dir / "result.json").read_text())
+    return result["tokens"] / result["seconds"]
+
+
+# -- the comparison ---------------------------------------------------------------------------
+
+
+def torchrun(args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}"]
+
+
+def shared_flags(args) -> list[str]:
+    return ["--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch), "--micro", str(args.micro),
+            "--steps", str(args.steps), "--log-every", str(args.log_every), "--threads", str(args.threads),
+            "--data-glob", args.data_glob]
+
+
+def execute(cmd: list[str], args) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": "",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {done.returncode}:\n{done.stderr[-4000:]}")
+
+
+def run_contender(name: str, args, model_dir: Path, work: Path, round_index: int) -> float:
+    out = work / f"{name}-{round_index}"
+    if name.startswith("ddptrain"):
+        return run_ddptrain(args, model_dir, out, pack=name == "ddptrain-pack")
+    out.mkdir(parents=True)
+    return run_hf(args, model_dir, out, name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"comma-separated, of {', '.join(CONTENDERS)}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    parser.add_argument("--log-every", type=int, default=5, help="ddptrain's window; the first one is warm-up")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
+    parser.add_argument("--micro", type=int, default=4,
+                        help="Trainer: sequences per microbatch; ddptrain: micro x seq_len tokens per microbatch")
+    parser.add_argument("--micro-tokens", type=int, default=None,
+                        help="ddptrain's batch.micro_tokens (default: micro x seq_len, the Trainer's largest "
+                             "microbatch)")
+    parser.add_argument("--pack-rows", type=int, default=None,
+                        help="ddptrain-pack's global batch in rows (default: the rows holding global-batch examples)")
+    parser.add_argument("--width", type=int, default=128, help="the Llama's hidden size")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--data-glob", default=None, help="text files (default: this interpreter's stdlib *.py)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--hf-worker", choices=tuple(HF_SAMPLING), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.data_glob = args.data_glob or stdlib_glob()
+    if args.hf_worker:
+        return hf_worker(args)
+    contenders = args.contenders.split(",")
+    unknown = [name for name in contenders if name not in CONTENDERS]
+    if unknown or not any(c.startswith("ddptrain") for c in contenders):
+        parser.error(f"--contenders: {unknown or contenders} (of {', '.join(CONTENDERS)}, at least one ddptrain)")
+    figures: dict[str, list[float]] = {name: [] for name in contenders}
+    with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
+        work = Path(tmp)
+        model_dir = work / "llama"
+        write_model_dir(model_dir, args.seq_len, args.width, args.layers)
+        examples = training_examples(args)  # builds the data cache before any contender starts
+        args.pack_rows = args.pack_rows or packed_rows(args, examples)
+        args.micro_tokens = args.micro_tokens or args.micro * args.seq_len
+        print(f"benchmarks.bench_peer: Llama {args.layers} x {args.width}, seq_len {args.seq_len}, "
+              f"{len(examples):,} training examples ({examples.valid_targets() / len(examples):.1f} valid targets "
+              f"each on average), global batch {args.global_batch} sequences (ddptrain-pack: {args.pack_rows} packed "
+              f"rows of {args.seq_len} tokens), micro {args.micro} sequences (ddptrain: <= {args.micro_tokens} padded "
+              f"tokens), {args.world_size} gloo ranks x {args.threads} thread(s), fp32, steps "
+              f"{args.log_every + 1}..{args.steps} of each run timed; contenders {', '.join(contenders)}", flush=True)
+        for round_index in range(args.rounds):
+            order = contenders if round_index % 2 == 0 else contenders[::-1]
+            for name in order:
+                figures[name].append(run_contender(name, args, model_dir, work, round_index))
+            print(f"round {round_index + 1}: " + ", ".join(f"{n} {figures[n][-1]:,.0f}" for n in contenders),
+                  flush=True)
+    print()
+    print(f"{'contender':14} {'median tok/s':>13}   per round")
+    for name in contenders:
+        print(f"{name:14} {statistics.median(figures[name]):13,.0f}   "
+              + " ".join(f"{value:,.0f}" for value in figures[name]))
+    for ours in (c for c in contenders if c.startswith("ddptrain")):
+        for peer in (c for c in contenders if c.startswith("hf")):
+            ratios = [a / b for a, b in zip(figures[ours], figures[peer])]
+            print(f"{ours} / {peer}: median ratio {statistics.median(ratios):.2f} "
+                  f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()

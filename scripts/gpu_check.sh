@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# GPU check: train a GPT-2-small-shaped GPT (12 layers x 12 heads x 768, seq_len 1024, vocabulary
+# 50304: ~124M parameters) in bf16 with trainer.compile=true for a few dozen steps, one process per
+# GPU, and print tokens/s, MFU and peak memory from metrics.jsonl; then a second short run with
+# torch.cuda.set_sync_debug_mode("warn") counts the host synchronisations of rank 0 by source line.
+#
+#   scripts/gpu_check.sh                    # all visible GPUs
+#   NPROC=1 STEPS=60 MICRO=8 scripts/gpu_check.sh
+#
+# Environment: NPROC (processes, default: every GPU), STEPS (default 40), LOG_EVERY (10), MICRO
+# (sequences per microbatch per GPU, default 16), SYNC_STEPS (steps of the sync-count run, default
+# 20; 0 skips it), WORK (scratch directory, default a new temporary one; kept at the end).
+# The data: this interpreter's standard-library sources as byte tokens in a uint16 token file, each
+# file ended by id 50256; the model's vocabulary is GPT-2's padded 50304, so the embedding and the
+# LM head cost what they cost in GPT-2 small. The first window holds the compile; the summary
+# uses the windows after it.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: no NVIDIA GPU here (nvidia-smi -L fails); run it on a GPU machine" >&2
+    exit 1
+fi
+NPROC=${NPROC:-$(nvidia-smi -L | grep -c '^GPU ')}
+STEPS=${STEPS:-40}
+LOG_EVERY=${LOG_EVERY:-10}
+MICRO=${MICRO:-16}
+SYNC_STEPS=${SYNC_STEPS:-20}
+WORK=${WORK:-$(mktemp -d -t ddptrain_gpu_check.XXXXXX)}
+mkdir -p "$WORK"
+echo "gpu_check: $NPROC process(es) on: $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
+echo "gpu_check: scratch in $WORK"
+
+TOKENS="$WORK/stdlib_tokens.u16"
+if [[ ! -s "$TOKENS" ]]; then
+    python - "$TOKENS" <<'EOF'
+import sys
+
+import numpy as np
+
+from ddptrain.data.sources import stdlib_documents
+
+EOD = 50256  # GPT-2's end-of-text id: ends (and belongs to) each document
+with open(sys.argv[1], "wb") as out:
+    for _, data in stdlib_documents():
+        np.frombuffer(data, dtype=np.uint8).astype(np.uint16).tofile(out)
+        np.array([EOD], dtype=np.uint16).tofile(out)
+EOF
+fi
+
+COMMON=(
+    model.n_layer=12 model.n_head=12 model.n_embd=768
+    data=tokens "data.paths=[$TOKENS]" data.eod_token=50256 data.vocab_size=50304 data.dtype=uint16
+    batch.seq_len=1024 batch.micro_size="$MICRO" batch.global_size=$((MICRO * NPROC))
+    trainer.precision=bf16 trainer.compile=true trainer.eval_examples=16
+    optim.lr=6e-4 optim.warmup_steps=10 logger.progress=lines
+)
+TORCHRUN=(python -m torch.distributed.run --standalone --nproc_per_node="$NPROC")
+
+# 1. Throughput. A fresh run dir: re-running a command in an old one would resume it.
+rm -rf "$WORK/run"
+"${TORCHRUN[@]}" -m ddptrain "${COMMON[@]}" trainer.max_steps="$STEPS" trainer.log_every="$LOG_EVERY" \
+    run.dir="$WORK/run"
+
+python - "$WORK/run/metrics.jsonl" "$LOG_EVERY" <<'EOF'
+import json
+import statistics
+import sys
+
+records = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+log_every = int(sys.argv[2])
+print(f"\n{'step':>5} {'tokens/s':>12} {'MFU':>7} {'peak mem GiB':>13} {'step s':>8}")
+for r in records:
+    mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+    print(f"{r['step']:>5} {r['tokens_per_second']:>12,.0f} {mfu:>7} {r['peak_memory_bytes'] / 2**30:>13.2f} "
+          f"{r['step_time_s']:>8.3f}")
+steady = [r for r in records if r["step"] > log_every] or records
+mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+print(f"after the first (compile) window: median {statistics.median(r['tokens_per_second'] for r in steady):,.0f} "
+      f"tokens/s, MFU {f'{statistics.median(mfus):.1%}' if mfus else 'unknown (GPU not in ddptrain/flops.py)'}, "
+      f"peak memory {max(r['peak_memory_bytes'] for r in records) / 2**30:.2f} GiB per GPU")
+EOF
+
+# 2. Host syncs: the same training under torch.cuda.set_sync_debug_mode("warn"), which warns on
+# every synchronising CUDA call. The wrapper below turns each warning into one line on rank 0's
+# stderr naming the innermost ddptrain source line on the stack (and the library line that
+# synced). Lines that fire about SYNC_STEPS times sync in every step; about SYNC_STEPS /
+# LOG_EVERY times, on log steps. torch.distributed's own waits are not covered (the documented
+# limit of set_sync_debug_mode).
+if [[ "$SYNC_STEPS" -gt 0 ]]; then
+    cat > "$WORK/ddptrain_sync_debug.py" <<'EOF'
+import runpy
+import sys
+import traceback
+import warnings
+
+import torch
+
+MESSAGE = "synchronizing CUDA operation"
+show = warnings.showwarning
+
+
+def show_sync(message, category, filename, lineno, file=None, line=None):
+    if MESSAGE not in str(message):
+        return show(message, category, filename, lineno, file, line)
+    ours = [frame for frame in traceback.extract_stack()[:-1] if "/ddptrain/" in frame.filename]
+    where = f"{ours[-1].filename}:{ours[-1].lineno}" if ours else "(no-ddptrain-frame)"
+    print(f"HOST-SYNC {where} via {filename}:{lineno}", file=sys.stderr)
+
+
+warnings.filterwarnings("always", message=f".*{MESSAGE}")  # every call, not once per source line
+warnings.showwarning = show_sync
+torch.cuda.set_sync_debug_mode("warn")
+sys.argv[0] = "ddptrain"
+runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
+EOF
+    rm -rf "$WORK/sync_run" "$WORK/sync_logs"
+    "${TORCHRUN[@]}" --log-dir "$WORK/sync_logs" --redirects 3 "$WORK/ddptrain_sync_debug.py" "${COMMON[@]}" \
+        trainer.max_steps="$SYNC_STEPS" trainer.log_every="$LOG_EVERY" run.dir="$WORK/sync_run" \
+        || { echo "gpu_check: the sync-count run failed; logs in $WORK/sync_logs" >&2; exit 1; }
+    RANK0_ERR=$(find "$WORK/sync_logs" -path '*/0/stderr.log' | head -n 1)
+    python - "$RANK0_ERR" "$SYNC_STEPS" "$LOG_EVERY" <<'EOF'
+import collections
+import sys
+
+path, steps, log_every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+where, via = collections.Counter(), {}
+for line in open(path, errors="replace"):
+    if line.startswith("HOST-SYNC "):
+        _, location, _, inner = line.split(maxsplit=3)
+        where[location] += 1
+        via.setdefault(location, inner.strip())
+print(f"\nhost syncs on rank 0 over {steps} steps (log every {log_every}): {sum(where.values())} in all")
+for location, count in where.most_common(20):
+    kind = "every step" if count >= steps else ("log steps" if count >= steps // log_every else "once/setup")
+    print(f"{count:>7}  {kind:10}  {location}  (via {via[location]})")
+per_step = sum(count for count in where.values() if count >= steps)
+print(f"syncs at lines that fire in every step: {per_step} ({per_step / steps:.1f} per step)")
+EOF
+fi
+echo "gpu_check: done; run dirs under $WORK"
