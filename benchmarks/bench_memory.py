@@ -55,8 +55,8 @@ def _measure(strategy: str, n_layer: int, n_embd: int, seq_len: int) -> dict:
     optimizer = engine.strategy.optimizer  # the torch AdamW (ZeRO hands it its flat partitions)
     state = _tensor_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     weights = _tensor_bytes(p for p in module.parameters())
-    # ZeRO-2/3 keep their gradient partitions in DeepSpeed's own buffers, not in .grad: not counted.
-    grads = None if strategy in ("zero2", "zero3") else gradients[-1]
+    # DeepSpeed keeps gradient partitions in its own buffers and frees .grad in its step: not counted.
+    grads = None if strategy.startswith("zero") else gradients[-1]
     return {"strategy": strategy, "rank": ddptrain.get_rank(), "optimizer_state": state, "weights": weights,
             "gradients": grads,
             "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else _numel(p) for p in module.parameters())}
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{row['strategy']:8} {rank:>4} {_mib(row['weights']):>9} {ratio(row, rank, 'weights')} "
                   f"{grads:>9} {ratio(row, rank, 'gradients')} {_mib(row['optimizer_state']):>10} "
                   f"{ratio(row, rank, 'optimizer_state')}")
-    print("n/a: ZeRO-2/3 keep gradient partitions in DeepSpeed's internal buffers, not in .grad")
+    print("n/a: DeepSpeed keeps gradient partitions in its internal buffers, not in .grad")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,16 @@ class Strategy(abc.ABC):
     def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
         """The full weights saved in `directory`, in one process, without a process group."""
 
+    def clip_and_update(self, params: list, norm: torch.Tensor, max_norm: float | None,
+                        skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip `params`' gradients by the global `norm` and update, unless `skip` or the norm is not
+        finite; returns (norm, applied) for finish_step."""
+        applied = torch.isfinite(norm) & ~skip
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        self.apply_update(self.optimizer, applied)
+        return norm, applied
+
     @staticmethod
     def apply_update(optimizer: torch.optim.Optimizer, applied: torch.Tensor) -> None:
         """optimizer.step(), or nothing where `applied` is False, decided on the device when the

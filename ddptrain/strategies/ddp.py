@@ -86,11 +86,7 @@ class DDPStrategy(Strategy):
         # norm is already global and identical on every rank: no extra collective.
         params = [p for p in self._module.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        applied = torch.isfinite(norm) & ~skip
-        if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        self.apply_update(self.optimizer, applied)
-        return norm, applied
+        return self.clip_and_update(params, norm, max_norm, skip)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -109,11 +109,7 @@ class FSDPStrategy(Strategy):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # the shards' partial norms reduced over ranks: the global norm
-        applied = torch.isfinite(norm) & ~skip
-        if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        self.apply_update(self.optimizer, applied)
-        return norm, applied
+        return self.clip_and_update(params, norm, max_norm, skip)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
