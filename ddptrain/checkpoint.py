@@ -277,20 +277,6 @@ def _candidates(run_dir: str | Path, resume: str) -> list[str]:
     return [str(path)]
 
 
-def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
-    """`auto` (latest complete in the run dir, else None), `none`, or an explicit path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return find_latest(run_dir)
-    path = Path(resume).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist (checkpoint.resume takes auto, none or a checkpoint directory "
-                              f"such as {checkpoint_dir(run_dir) / step_name(100)})")
-    verify(path)
-    return path
-
-
 def load_trainer_state(path: Path) -> dict:
     file = path / "trainer.pt"
     try:
