@@ -49,7 +49,7 @@ def _timed(fn) -> float:
 
 
 def _ranks(root: str, megabytes: int, rounds: int) -> dict:
-    from ddptrain import checkpoint as ckpt
+    from ddptrain.train import checkpoint as ckpt
     from ddptrain.distributed import barrier, get_rank, get_world_size, is_rank_zero
     from ddptrain.fsutil import fsync_file, save_torch, sha256_file
 

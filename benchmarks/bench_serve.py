@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true", help="only ddptrain.serve")
     args = parser.parse_args()
 
-    from ddptrain.servable import servable_dir
+    from ddptrain.serving.servable import servable_dir
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_serve."))
     run = Path(args.path) if args.path else workdir / "run"
@@ -193,7 +193,7 @@ def main() -> None:
                           for c in args.clients}
 
     # The KV cache ddptrain.serve sizes for max_active full-context sequences, given to both servers.
-    from ddptrain.generate import Generator
+    from ddptrain.serving.generate import Generator
 
     cache = Generator(directory, max_active=max_active, device="cpu")._cache_config()
     print(f"model {directory} (context {context}), {args.max_tokens} tokens per request, {args.threads} thread(s) "

@@ -11,14 +11,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from ddptrain.config import ConfigError, register_configs, validate
-from ddptrain.checkpoint import CheckpointError
+from ddptrain.config.schema import ConfigError, register_configs, validate
+from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.data import DataError
 from ddptrain.models.build import ModelError
-from ddptrain.rundir import RunDirLocked
+from ddptrain.train.rundir import RunDirLocked
 from ddptrain.distributed import (destroy_distributed, env_world_size, init_distributed, set_parent_death_signal,
                                   setup_logging)
-from ddptrain.trainer import Trainer
+from ddptrain.train.trainer import Trainer
 
 # conf/ sits at the top of a source checkout; an installed wheel carries it as ddptrain.conf.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"

@@ -15,11 +15,11 @@ from pathlib import Path
 from torch import nn
 
 import ddptrain
-from ddptrain.checkpoint import CheckpointError
+from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.models import GPT
 from ddptrain.models.build import ModelError
 from ddptrain.models.hf import TOKENIZER_FILES
-from ddptrain.weights import weights_dir
+from ddptrain.train.final import weights_dir
 
 
 class ExportError(RuntimeError):

@@ -206,13 +206,13 @@ def verify(cfg, steps: int = 3, on_configured_device: bool = False, tolerance: f
     same report. `cfg` is a validated training config (see compose_config)."""
     from omegaconf import OmegaConf
 
-    from ddptrain.config import grad_accum_steps, strategy_options
+    from ddptrain.config.schema import grad_accum_steps, strategy_options
     from ddptrain.data import TrainBatches, load_splits
     from ddptrain.distributed import init_distributed
-    from ddptrain.engine import Engine
+    from ddptrain.engine.engine import Engine
     from ddptrain.models.build import build_model
-    from ddptrain.objective import Objective
-    from ddptrain.optim import build_optimizer, build_scheduler
+    from ddptrain.engine.objective import Objective
+    from ddptrain.train.optim import build_optimizer, build_scheduler
 
     dist_info = init_distributed(cfg.dist.timeout_s)
     device = dist_info.device if on_configured_device else torch.device("cpu")
@@ -272,7 +272,7 @@ class _OneProcess:
     def step(self, inputs, targets: torch.Tensor) -> tuple[float, float]:
         """(loss, gradient norm before clipping) of one step; NaNs when the batch has no valid target."""
         from ddptrain.models.build import logits_of
-        from ddptrain.objective import IGNORE_INDEX
+        from ddptrain.engine.objective import IGNORE_INDEX
 
         targets = targets.to(self.device)
         tokens = int((targets != IGNORE_INDEX).sum())
@@ -299,7 +299,7 @@ class _OneProcess:
 
 
 def _describe_layout(cfg, world_size: int) -> str:
-    from ddptrain.config import grad_accum_steps
+    from ddptrain.config.schema import grad_accum_steps
 
     batch = cfg.batch
     if batch.micro_tokens is not None:
@@ -321,7 +321,7 @@ def compose_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir, initialize_config_module
 
     from ddptrain.__main__ import CONFIG_PATH
-    from ddptrain.config import register_configs
+    from ddptrain.config.schema import register_configs
 
     register_configs()
     if CONFIG_PATH.startswith("pkg://"):
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from hydra.errors import HydraException
 
-    from ddptrain.config import ConfigError, validate
+    from ddptrain.config.schema import ConfigError, validate
     from ddptrain.data import DataError
     from ddptrain.distributed import destroy_distributed, env_world_size, is_rank_zero, setup_logging
     from ddptrain.models.build import ModelError

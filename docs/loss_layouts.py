@@ -49,11 +49,11 @@ def run_naive(run_dir: Path, steps: int) -> None:
     from hydra import compose, initialize_config_dir
 
     from ddptrain.__main__ import CONFIG_PATH
-    from ddptrain.config import register_configs, validate
+    from ddptrain.config.schema import register_configs, validate
     from ddptrain.distributed import init_distributed, setup_logging
-    from ddptrain.engine import StepStats
-    from ddptrain.objective import IGNORE_INDEX, token_loss_sum
-    from ddptrain.trainer import Trainer
+    from ddptrain.engine.engine import StepStats
+    from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
+    from ddptrain.train.trainer import Trainer
 
     setup_logging()
     register_configs()

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ddptrain.models import GPT, GPTConfig
-from ddptrain.objective import IGNORE_INDEX
+from ddptrain.engine.objective import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 32

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from ddptrain import checkpoint as ckpt
+from ddptrain.train import checkpoint as ckpt
 from ddptrain.testing import free_port
 from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
 

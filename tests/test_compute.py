@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import ddptrain
-from ddptrain.compiling import compile_model
+from ddptrain.models.compiling import compile_model
 from ddptrain.models.build import ModelError, ModelSpec, build_model
 from ddptrain.models.memory import enable_activation_checkpointing
-from ddptrain.objective import IGNORE_INDEX
+from ddptrain.engine.objective import IGNORE_INDEX
 from tests.helpers import SEQ, VOCAB, microbatch, relative_difference
 
 GPT_CFG = {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16}

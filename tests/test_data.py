@@ -9,7 +9,7 @@ from ddptrain.data import TrainBatches, load_stdlib
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.data.plan import GlobalBatchPlan
 from ddptrain.data.sources import is_validation, stdlib_documents
-from ddptrain.objective import IGNORE_INDEX
+from ddptrain.engine.objective import IGNORE_INDEX
 
 
 def _examples(num: int = 50) -> TokenExamples:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ddptrain
-from ddptrain.objective import IGNORE_INDEX, token_loss_sum
+from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
 from ddptrain.testing import run_distributed
 from tests.helpers import microbatch, relative_difference, tiny_gpt
 

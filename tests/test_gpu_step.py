@@ -73,9 +73,9 @@ def _trainer_loop(run_dir: str):
     from hydra import compose, initialize_config_dir
 
     from ddptrain.__main__ import CONFIG_PATH
-    from ddptrain.config import register_configs
+    from ddptrain.config.schema import register_configs
     from ddptrain.distributed import init_distributed
-    from ddptrain.trainer import Trainer
+    from ddptrain.train.trainer import Trainer
 
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):

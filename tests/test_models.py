@@ -129,9 +129,9 @@ def test_a_packed_hf_model_keeps_the_loss_curve_over_layouts(tmp_path):
 
 @pytest.mark.slow
 def test_fine_tuning_starts_from_the_saved_weights(tmp_path):
-    from ddptrain.config import DataConfig
+    from ddptrain.config.schema import DataConfig
     from ddptrain.data import TrainBatches, load_splits
-    from ddptrain.objective import token_loss_sum
+    from ddptrain.engine.objective import token_loss_sum
 
     pretrained = _llama_dir(tmp_path / "pretrained", weights=True, seed=7)
     run_dir = tmp_path / "run"

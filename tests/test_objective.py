@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ddptrain
-from ddptrain.objective import IGNORE_INDEX, Objective, token_loss_sum
+from ddptrain.engine.objective import IGNORE_INDEX, Objective, token_loss_sum
 from ddptrain.testing import run_distributed
 from tests.helpers import TINY_RUN, VOCAB, microbatch, read_metrics, relative_difference, run_cli, tiny_gpt
 

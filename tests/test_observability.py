@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddptrain.flops import ModelFlops, device_peak_flops, lookup_peak_flops
+from ddptrain.train.flops import ModelFlops, device_peak_flops, lookup_peak_flops
 from ddptrain.models import GPT, GPTConfig
-from ddptrain.progress import Progress
+from ddptrain.train.progress import Progress
 from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
 
 SMALL = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=4"]
@@ -85,7 +85,7 @@ def test_flops_per_token_of_the_default_model_match_a_hand_count_and_torch_flop_
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ddptrain.config import ModelConfig
+    from ddptrain.config.schema import ModelConfig
 
     defaults, seq_len = ModelConfig(), 256
     torch.manual_seed(0)
@@ -308,11 +308,11 @@ def test_plot_command_draws_one_line_per_run(tiny_run, tmp_path):
 
 
 def test_wandb_online_without_credentials_falls_back_to_offline_without_a_prompt(tmp_path, monkeypatch):
-    from ddptrain.metrics import MetricsLogger
+    from ddptrain.train.metrics import MetricsLogger
 
     warnings = io.StringIO()
     handler = logging.StreamHandler(warnings)
-    logging.getLogger("ddptrain.metrics").addHandler(handler)
+    logging.getLogger("ddptrain.train.metrics").addHandler(handler)
 
     for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
@@ -326,6 +326,6 @@ def test_wandb_online_without_credentials_falls_back_to_offline_without_a_prompt
         assert logger._wandb_run.settings.mode == "offline"
     finally:
         logger.close()
-        logging.getLogger("ddptrain.metrics").removeHandler(handler)
+        logging.getLogger("ddptrain.train.metrics").removeHandler(handler)
     assert "no wandb credentials" in warnings.getvalue()
     assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from ddptrain import checkpoint as ckpt
-from ddptrain.rundir import LOCK, RunDirLock, RunDirLocked
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.rundir import LOCK, RunDirLock, RunDirLocked
 from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
 
 SMALL = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2"]
@@ -275,7 +275,7 @@ def test_an_error_on_one_rank_reaches_every_rank_and_an_empty_rank_does_not_hang
 
 def _one_rank_fails() -> None:
     from ddptrain.distributed import get_rank, raise_on_every_rank
-    from ddptrain.engine import Engine
+    from ddptrain.engine.engine import Engine
     from tests.helpers import microbatch, tiny_gpt
 
     started = time.monotonic()
@@ -320,7 +320,7 @@ def test_a_token_file_of_only_end_of_document_tokens_is_refused_in_bounded_memor
     stale.mkdir(parents=True)
     script = (
         "import resource, sys\n"
-        "from ddptrain.config import DataConfig\n"
+        "from ddptrain.config.schema import DataConfig\n"
         "from ddptrain.data import load_splits\n"
         "from ddptrain.data.sources import DataError\n"
         f"cfg = DataConfig(name='tokens', paths=[{str(path)!r}], vocab_size=50, eod_token=7, cache_dir={str(tmp_path / 'cache')!r})\n"

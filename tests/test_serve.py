@@ -27,9 +27,9 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import ddptrain  # noqa: E402
-from ddptrain.generate import SEPARATOR, Generator, SamplingParams, _draw  # noqa: E402
-from ddptrain.serve import build_app  # noqa: E402
-from ddptrain.servable import MARKER, byte_tokenizer, servable_dir  # noqa: E402
+from ddptrain.serving.generate import SEPARATOR, Generator, SamplingParams, _draw  # noqa: E402
+from ddptrain.serving.server import build_app  # noqa: E402
+from ddptrain.serving.servable import MARKER, byte_tokenizer, servable_dir  # noqa: E402
 from ddptrain.testing import free_port  # noqa: E402
 from tests.helpers import REPO, run_cli  # noqa: E402
 
@@ -142,7 +142,7 @@ def test_byte_tokenizer_ids_are_the_bytes_and_text_round_trips(tmp_path):
     # transformers reads the written directory with the same ids
     from transformers import AutoTokenizer
 
-    from ddptrain.servable import write_byte_tokenizer
+    from ddptrain.serving.servable import write_byte_tokenizer
 
     (tmp_path / "config.json").write_text(json.dumps({"n_positions": 64}))
     write_byte_tokenizer(tmp_path)
@@ -414,7 +414,7 @@ def test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_no
     assert result.returncode == 0, result.stderr[-2000:]
     samples = [prompt + text_of(greedy_ids(model, prompt, 20)) for prompt in ("import ", "class Foo")]
     assert result.stdout.endswith(f"{samples[0]}\n{SEPARATOR}\n{samples[1]}\n"), result.stdout
-    from ddptrain.generate import main
+    from ddptrain.serving.generate import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([str(run_dir), "--prompt", "x" * 70])

@@ -210,7 +210,7 @@ def test_bad_override_fails_fast_with_hydra_message(slurm_env, tmp_path, templat
 
 
 def _has_checkpointing() -> bool:
-    return importlib.util.find_spec("ddptrain.checkpoint") is not None
+    return importlib.util.find_spec("ddptrain.train.checkpoint") is not None
 
 
 PREEMPT_STEPS = 400  # long enough to signal mid-run, short enough to finish in seconds
@@ -218,7 +218,7 @@ PREEMPT_STEPS = 400  # long enough to signal mid-run, short enough to finish in 
 
 def final_model_state(run_dir: Path) -> tuple[int, dict]:
     """(step, model weights) of the newest complete checkpoint in run_dir."""
-    from ddptrain.checkpoint import find_latest, load_trainer_state
+    from ddptrain.train.checkpoint import find_latest, load_trainer_state
 
     latest = find_latest(run_dir)
     assert latest is not None, f"no complete checkpoint in {run_dir}"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from ddptrain.config import ConfigError, DataConfig, TrainConfig, validate
+from ddptrain.config.schema import ConfigError, DataConfig, TrainConfig, validate
 from ddptrain.data import DataError, load_splits
 from ddptrain.data import cache as cache_module
 from ddptrain.data import sources

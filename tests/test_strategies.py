@@ -43,7 +43,7 @@ def _check_against_reference(results, case: str, tolerance: float, grad_clip: fl
     ref_loss, ref_tokens, before, ref_params = reference_step(all_microbatches(case))
     if grad_clip is not None:  # the reference with clipping by the global norm
         model = tiny_gpt(torch.float64)
-        from ddptrain.objective import IGNORE_INDEX, token_loss_sum
+        from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
 
         microbatches = all_microbatches(case)
         loss = torch.stack([token_loss_sum(model(x), y) for x, y in microbatches]).sum()

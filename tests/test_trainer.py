@@ -6,10 +6,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from ddptrain.__main__ import CONFIG_PATH
-from ddptrain.config import register_configs, validate
+from ddptrain.config.schema import register_configs, validate
 from ddptrain.distributed import init_distributed
-from ddptrain.objective import IGNORE_INDEX
-from ddptrain.trainer import EmptyStepError, Trainer
+from ddptrain.engine.objective import IGNORE_INDEX
+from ddptrain.train.trainer import EmptyStepError, Trainer
 from tests.helpers import TINY_RUN, read_metrics
 
 

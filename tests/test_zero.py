@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ddptrain
-from ddptrain.objective import IGNORE_INDEX, token_loss_sum
+from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
 from ddptrain.testing import run_distributed
 from tests.helpers import TINY_RUN, microbatch, read_metrics, relative_difference, run_cli, tiny_gpt
 from tests.test_engine import CASES as DDP_CASES
@@ -208,7 +208,7 @@ def test_zero_without_deepspeed_says_how_to_install(monkeypatch):
 
 
 def test_ddptrain_imports_without_deepspeed():
-    code = ("import sys; sys.modules['deepspeed'] = None; import ddptrain, ddptrain.trainer, "
+    code = ("import sys; sys.modules['deepspeed'] = None; import ddptrain, ddptrain.train.trainer, "
             "ddptrain.strategies.deepspeed; print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -14,7 +14,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from ddptrain.objective import IGNORE_INDEX
+from ddptrain.engine.objective import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

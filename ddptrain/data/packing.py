@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ddptrain.data.dataset import TokenExamples
-from ddptrain.objective import IGNORE_INDEX
+from ddptrain.engine.objective import IGNORE_INDEX
 
 
 @dataclass

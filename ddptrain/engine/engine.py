@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.distributed import get_rank, get_world_size, init_distributed, is_distributed
-from ddptrain.loss_scale import DynamicLossScale
+from ddptrain.engine.loss_scale import DynamicLossScale
 from ddptrain.models.build import logits_of
-from ddptrain.objective import IGNORE_INDEX, Objective
-from ddptrain.stats import PhaseClock, StepStats
+from ddptrain.engine.objective import IGNORE_INDEX, Objective
+from ddptrain.engine.stats import PhaseClock, StepStats
 from ddptrain.strategies import Strategy, build_strategy
 
 log = logging.getLogger(__name__)

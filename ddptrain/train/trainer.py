@@ -15,27 +15,27 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddptrain import checkpoint as ckpt
-from ddptrain import faults
-from ddptrain.config import TrainConfig, grad_accum_steps, strategy_options
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train import faults
+from ddptrain.config.schema import TrainConfig, grad_accum_steps, strategy_options
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.data.prefetch import Prefetcher, pin_memory_available
 from ddptrain.distributed import DistInfo, Rank0Filter, all_reduce_sum, barrier, is_rank_zero, raise_on_every_rank
-from ddptrain.engine import Engine, StepStats
-from ddptrain.flops import ModelFlops, device_peak_flops
+from ddptrain.engine.engine import Engine, StepStats
+from ddptrain.train.flops import ModelFlops, device_peak_flops
 from ddptrain.fsutil import describe_write_error
-from ddptrain.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
-from ddptrain.compiling import compile_model
+from ddptrain.train.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
+from ddptrain.models.compiling import compile_model
 from ddptrain.models.build import ModelError, accepts_packed_rows, build_model, num_parameters
 from ddptrain.models.memory import enable_activation_checkpointing
-from ddptrain.objective import IGNORE_INDEX, Objective, token_loss_sum
-from ddptrain.optim import build_optimizer, build_scheduler
-from ddptrain.preemption import Preempted, PreemptionWatcher
-from ddptrain.resume import SCHEDULE_KEYS, check_config, defaults_of, reset_learning_rate
-from ddptrain.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
+from ddptrain.engine.objective import IGNORE_INDEX, Objective, token_loss_sum
+from ddptrain.train.optim import build_optimizer, build_scheduler
+from ddptrain.train.preemption import Preempted, PreemptionWatcher
+from ddptrain.train.resume import SCHEDULE_KEYS, check_config, defaults_of, reset_learning_rate
+from ddptrain.train.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
 from ddptrain.verify import log_equivalence_caveats
-from ddptrain.weights import SPEC_FILE, save_final
+from ddptrain.train.final import SPEC_FILE, save_final
 
 log = logging.getLogger(__name__)
 

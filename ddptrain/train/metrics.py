@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ddptrain.distributed import is_rank_zero
-from ddptrain.flops import ModelFlops
-from ddptrain.progress import Progress
+from ddptrain.train.flops import ModelFlops
+from ddptrain.train.progress import Progress
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
     GET  /health           200 {"status": "ok", ...} while the decoding loop runs, else 503
     GET  /v1/models        the one model served
 
-The decoding loop is transformers' continuous batching (ddptrain.generate.Generator) and the HTTP
+The decoding loop is transformers' continuous batching (ddptrain.serving.generate.Generator) and the HTTP
 stack is the one `transformers serve` uses (FastAPI on uvicorn, the `transformers[serving]`
 extra); transformers' own server is not used because, with --continuous-batching, it keeps the
 first request's temperature and top_p for every later request, ignores `stop`, answers
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddptrain.generate import (Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams,
+from ddptrain.serving.generate import (Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams,
                                quiet_transformers)
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import uvicorn
 
-    from ddptrain.servable import ServableError, servable_dir
+    from ddptrain.serving.servable import ServableError, servable_dir
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(levelname)s] %(message)s", datefmt="%H:%M:%S")
     quiet_transformers()

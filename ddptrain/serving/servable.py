@@ -97,7 +97,7 @@ def servable_dir(path: str | Path) -> Path:
 
 
 def _source_stamp(run_dir: Path) -> dict:
-    from ddptrain.weights import SPEC_FILE, weights_dir
+    from ddptrain.train.final import SPEC_FILE, weights_dir
 
     source = weights_dir(run_dir)  # final/, else the newest complete checkpoint
     files = [source / SPEC_FILE] if (source / SPEC_FILE).is_file() else sorted(source.rglob("*"))

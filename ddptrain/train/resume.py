@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddptrain.checkpoint import CheckpointError
+from ddptrain.train.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,7 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
 
 def weights_dir(run_dir: str | Path) -> Path:
     """`final/` when it is there, else the newest complete checkpoint; a clear error if neither."""
-    from ddptrain import checkpoint as ckpt
+    from ddptrain.train import checkpoint as ckpt
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -119,7 +119,7 @@ def _load_state(model: nn.Module, state: dict[str, torch.Tensor], spec: ModelSpe
 
 
 def _load_from_checkpoint(path: Path) -> nn.Module:
-    from ddptrain import checkpoint as ckpt
+    from ddptrain.train import checkpoint as ckpt
 
     state = ckpt.load_trainer_state(path)
     if "model_spec" not in state:

@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddptrain.engine import PRECISIONS
+from ddptrain.engine.engine import PRECISIONS
 
 
 class ConfigError(ValueError):

@@ -276,7 +276,7 @@ class Generator:
     """Transformers' continuous batching over one model directory (config.json + tokenizer.json).
 
     Args:
-        model_dir: a transformers directory; see ddptrain.servable.servable_dir for run directories.
+        model_dir: a transformers directory; see ddptrain.serving.servable.servable_dir for run directories.
         max_active: sequences decoded together in one forward pass.
         max_queue: requests that may wait for a place beyond those; more raise QueueFull.
         device: where the model runs ("cpu", "cuda", ...; default: cuda if available).
@@ -464,7 +464,7 @@ def quiet_transformers() -> None:
 
 
 async def _generate(args) -> int:
-    from ddptrain.servable import servable_dir
+    from ddptrain.serving.servable import servable_dir
 
     generator = Generator(servable_dir(args.path), max_active=len(args.prompt), device=args.device)
     requests = []
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop before this string (repeatable)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     args = parser.parse_args(argv)
-    from ddptrain.servable import ServableError
+    from ddptrain.serving.servable import ServableError
 
     quiet_transformers()
     try:
