@@ -73,7 +73,7 @@ def _profiled_peak_bytes(step) -> int:
 def measure(kind: str, checkpointing: bool, n_layer: int, n_embd: int, seq_len: int, batch: int) -> dict:
     """One child process: build, one step (AdamW state), then measure a second step."""
     import ddptrain
-    from ddptrain.models.memory import enable_activation_checkpointing
+    from ddptrain.models.adapters import enable_activation_checkpointing
 
     vocab = 256
     device = ddptrain.init_distributed().device

@@ -78,7 +78,7 @@ def training_examples(args):
     """ddptrain's training examples for `data_overrides` (through its cache): what every contender trains on."""
     from omegaconf import OmegaConf
 
-    from ddptrain.config.schema import DataConfig
+    from ddptrain.config import DataConfig
     from ddptrain.data import load_splits
 
     data_cfg = OmegaConf.structured(DataConfig(name="text", paths=[args.data_glob], split_by="paragraph",

@@ -1,10 +1,45 @@
-"""ddptrain: data-parallel training whose update is exactly the global mean-token-loss update."""
+"""ddptrain: data-parallel training whose update is exactly the global mean-token-loss update.
 
-from ddptrain.distributed import get_rank, get_world_size, init_distributed, is_distributed
-from ddptrain.engine.engine import Engine, StepStats
-from ddptrain.engine.objective import count_valid_tokens, token_loss_sum
-from ddptrain.train.final import load_model
+The library API is loaded lazily (PEP 562): `import ddptrain` costs nothing until a name is used,
+so the commands beside the trainer (`python -m ddptrain.plot`, `.serve`) import only what they need.
+"""
 
-__all__ = ["init_distributed", "Engine", "StepStats", "get_rank", "get_world_size", "is_distributed",
-           "count_valid_tokens", "token_loss_sum", "load_model"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "init_distributed": "ddptrain.distributed",
+    "get_rank": "ddptrain.distributed",
+    "get_world_size": "ddptrain.distributed",
+    "is_distributed": "ddptrain.distributed",
+    "Engine": "ddptrain.engine.engine",
+    "StepStats": "ddptrain.engine.stats",
+    "count_valid_tokens": "ddptrain.engine.objective",
+    "token_loss_sum": "ddptrain.engine.objective",
+    "load_model": "ddptrain.train.final",
+}
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names come from __getattr__
+    from ddptrain.distributed import get_rank, get_world_size, init_distributed, is_distributed
+    from ddptrain.engine.engine import Engine
+    from ddptrain.engine.objective import count_valid_tokens, token_loss_sum
+    from ddptrain.engine.stats import StepStats
+    from ddptrain.train.final import load_model
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'ddptrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"

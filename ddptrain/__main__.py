@@ -1,4 +1,5 @@
-"""`torchrun -m ddptrain` / `python -m ddptrain`: config -> distributed setup -> Trainer."""
+"""`torchrun -m ddptrain` / `python -m ddptrain`: compose config -> validate -> distributed setup ->
+build -> fit -> close."""
 
 from __future__ import annotations
 
@@ -6,25 +7,23 @@ import gc
 import logging
 import os
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from ddptrain.config.schema import ConfigError, register_configs, validate
-from ddptrain.train.checkpoint import CheckpointError
+from ddptrain.config.compose import CONFIG_PATH, register_configs
+from ddptrain.config.schema import ConfigError
+from ddptrain.config.validation import validate
 from ddptrain.data import DataError
-from ddptrain.models.build import ModelError
-from ddptrain.train.rundir import RunDirLocked
 from ddptrain.distributed import (destroy_distributed, env_world_size, init_distributed, set_parent_death_signal,
                                   setup_logging)
+from ddptrain.models.spec import ModelError
+from ddptrain.train.checkpoint import CheckpointError
+from ddptrain.train.rundir import RunDirLocked
 from ddptrain.train.trainer import Trainer
 
-# conf/ sits at the top of a source checkout; an installed wheel carries it as ddptrain.conf.
-_SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
-CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else "pkg://ddptrain.conf"
-
 _KINDS = ((DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"), (RunDirLocked, "run.dir"))
+"""Errors that are the user's to fix: a clear message on every rank and exit code 2."""
 
 
 def train(cfg: DictConfig) -> None:
@@ -36,13 +35,12 @@ def train(cfg: DictConfig) -> None:
         sys.exit(2)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         set_parent_death_signal()  # workers must not outlive torchrun (SIGTERM: they checkpoint and exit)
-    dist_info = init_distributed(cfg.dist.timeout_s)
-    trainer = Trainer(cfg, dist_info)
+    trainer = Trainer(cfg, init_distributed(cfg.dist.timeout_s))
     try:
         trainer.build().fit()
-    except (DataError, ModelError, CheckpointError, RunDirLocked) as error:  # a clear message on every rank
-        kind = next(name for kind, name in _KINDS if isinstance(error, kind))
-        logging.getLogger("ddptrain").error("%s error: %s", kind, error)
+    except tuple(kind for kind, _ in _KINDS) as error:
+        name = next(name for kind, name in _KINDS if isinstance(error, kind))
+        logging.getLogger("ddptrain").error("%s error: %s", name, error)
         sys.exit(2)
     finally:
         trainer.close()

@@ -15,10 +15,10 @@ from pathlib import Path
 from torch import nn
 
 import ddptrain
-from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.models import GPT
-from ddptrain.models.build import ModelError
 from ddptrain.models.hf import TOKENIZER_FILES
+from ddptrain.models.spec import ModelError
+from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.final import weights_dir
 
 

@@ -48,8 +48,8 @@ def run_naive(run_dir: Path, steps: int) -> None:
     """One process, micro batch 1 (8 microbatches), loss = mean over microbatches of their means."""
     from hydra import compose, initialize_config_dir
 
-    from ddptrain.__main__ import CONFIG_PATH
-    from ddptrain.config.schema import register_configs, validate
+    from ddptrain.config import CONFIG_PATH
+    from ddptrain.config import register_configs, validate
     from ddptrain.distributed import init_distributed, setup_logging
     from ddptrain.engine.engine import StepStats
     from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum

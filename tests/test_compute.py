@@ -11,9 +11,9 @@ from torch import nn
 import ddptrain
 from ddptrain.models.compiling import compile_model
 from ddptrain.models.build import ModelError, ModelSpec, build_model
-from ddptrain.models.memory import enable_activation_checkpointing
+from ddptrain.models.adapters import enable_activation_checkpointing
 from ddptrain.engine.objective import IGNORE_INDEX
-from tests.helpers import SEQ, VOCAB, microbatch, relative_difference
+from tests.helpers import SEQ, VOCAB, import_optional, microbatch, relative_difference
 
 GPT_CFG = {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16}
 
@@ -33,7 +33,7 @@ def learnable_microbatches(seed: int, width: int) -> list:
 
 def tiny_llama_dir(directory) -> str:
     """config.json of a 2-layer Llama (grouped-query attention, RoPE, SwiGLU); no weights: built from it."""
-    transformers = pytest.importorskip("transformers")
+    transformers = import_optional("transformers")
     transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
                              use_cache=False).save_pretrained(directory)

@@ -187,6 +187,24 @@ def test_progress_bar_on_a_terminal_keeps_log_lines_above_it():
     assert not Progress(total_steps=4, mode="auto", stream=io.StringIO()).is_bar, "not a terminal: lines"
 
 
+
+def test_progress_bar_keeps_the_loss_of_the_last_read_step():
+    """The trainer reads a step's loss only on log, eval and checkpoint steps; the bar shows that loss
+    until the next read instead of dropping it on the steps in between."""
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    progress = Progress(total_steps=4, mode="bar", stream=screen, min_interval_s=0)
+    progress.update(1, loss=3.5)
+    progress.update(2, None)
+    progress.update(3, loss=2.25)
+    progress.close()
+    text = screen.getvalue()
+    assert "step 2/4 [############............]  50% | loss 3.5000 | ETA" in text
+    assert "step 3/4 [##################......]  75% | loss 2.2500 | ETA" in text
+
 # -- wandb offline ------------------------------------------------------------------------------
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from ddptrain.__main__ import CONFIG_PATH
-from ddptrain.config.schema import register_configs, validate
+from ddptrain.config import CONFIG_PATH
+from ddptrain.config import register_configs, validate
 from ddptrain.distributed import init_distributed
 from ddptrain.engine.objective import IGNORE_INDEX
 from ddptrain.train.trainer import EmptyStepError, Trainer

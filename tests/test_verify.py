@@ -144,3 +144,24 @@ def test_cli_under_torchrun_prints_one_report_that_agrees():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("verdict: AGREE") == 1  # printed once, by rank 0
     assert "micro 2 x accumulation 2 x world 2" in result.stdout
+
+
+def test_every_precision_has_a_tolerance():
+    from ddptrain.config.choices import PRECISIONS
+    from ddptrain.verify import TOLERANCES
+
+    assert set(TOLERANCES) == set(PRECISIONS)
+
+
+def test_fp16_on_the_configured_device_agrees(capsys):
+    """fp16 used to crash verify with a KeyError (no tolerance), and the reference only autocast bf16.
+    Now the reference autocasts fp16 too, and the engine's dynamic loss scale does not change the update.
+    SGD, not AdamW: Adam's first steps move every weight by about lr whatever its gradient's size, so a
+    gradient near zero that fp16 rounds to the other sign differs by 2 lr in the weights, which says
+    nothing about the objective (bf16 with AdamW shows the same)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--steps", "2", *SMALL, "batch.micro_size=2", "optim=sgd", "trainer.precision=fp16", "--device",
+              "configured"])
+    output = capsys.readouterr().out
+    assert exited.value.code == 0, output
+    assert "| fp16 on cpu" in output and "verdict: AGREE" in output and "<= 0.01" in output

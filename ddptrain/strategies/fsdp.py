@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ContextManager
 
@@ -30,30 +29,23 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ddptrain.config.choices import FSDPOptions
 from ddptrain.distributed import backend_for, get_world_size, is_distributed
+from ddptrain.models.blocks import block_class_names
 from ddptrain.strategies.base import StepLayout, Strategy
 
 
 def default_shard_modules(model: nn.Module) -> set[str]:
-    """Class names of the transformer blocks: the built-in GPT's Block, or a transformers model's
-    `_no_split_modules` (its decoder-layer classes)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    present = {type(module).__name__ for module in model.modules()}
-    if not names & present:
-        names = {"Block"} & present
-    return names & present
+    """Class names of the transformer blocks (ddptrain.models.blocks: the built-in GPT's Block, a
+    transformers model's decoder layers); each block is one shard unit."""
+    return block_class_names(model)
 
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
     communicates_every_microbatch = True
 
-    @dataclass
-    class Options:
-        reshard_after_forward: bool = True
-        """Free gathered weights after each forward (less memory, one more all-gather in backward)."""
-        shard_modules: list = field(default_factory=list)
-        """Class names to shard as units (default: GPT blocks, or a transformers model's decoder layers)."""
+    Options = FSDPOptions
 
     @classmethod
     def from_config(cls, options: dict, layout: StepLayout) -> "FSDPStrategy":

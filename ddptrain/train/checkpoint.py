@@ -38,6 +38,10 @@ MARKER = "COMPLETE.json"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
+STRATEGY_DIR = "strategy"
+"""A checkpoint's sub-directory that holds the strategy's own files (Engine.save / Engine.load)."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupted; the message names the file."""
 
@@ -120,7 +124,7 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
             save_torch(trainer_state, tmp / "trainer.pt")
         save_torch(rng_state(), tmp / f"rng_rank{get_rank()}.pt")
         if save_state is not None:
-            save_state(tmp / "strategy")
+            save_state(tmp / STRATEGY_DIR)
         if failpoint is not None:
             failpoint()
     except Exception as caught:  # noqa: BLE001 - any write error must reach every rank

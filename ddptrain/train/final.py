@@ -23,14 +23,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddptrain.models.build import ModelSpec, rebuild_model
+from ddptrain.models.adapters import WEIGHTS_FILE, adapter_of, load_weights
+from ddptrain.models.spec import ModelSpec
 from ddptrain.strategies import strategy_class
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.checkpoint import STRATEGY_DIR
 
 log = logging.getLogger(__name__)
 
 FINAL = "final"
 SPEC_FILE = "ddptrain_model.json"
-WEIGHTS_FILE = "model.safetensors"
+# WEIGHTS_FILE, model.safetensors, is imported from the adapters: they write and read it.
 
 
 def final_dir(run_dir: str | Path) -> Path:
@@ -40,20 +43,12 @@ def final_dir(run_dir: str | Path) -> Path:
 def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, torch.Tensor], spec: ModelSpec,
                step: int, tokenizer_files: list[Path]) -> Path:
     """Write `final/` (rank 0). `module` is the unwrapped model (for model=hf its save_pretrained)."""
-    from safetensors.torch import save_file
-
     final = final_dir(run_dir)
     tmp = final.with_name(f".tmp-{FINAL}")
     if tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed while writing
     tmp.mkdir(parents=True)
-    if spec.kind == "hf":
-        from ddptrain.models import hf
-
-        hf.save_pretrained(module, state_dict, tmp)
-    else:
-        stored = {name: tensor.contiguous() for name, tensor in state_dict.items() if name not in spec.tied}
-        save_file(stored, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    adapter_of(spec).save_final(module, state_dict, tmp, spec)
     for file in tokenizer_files:
         shutil.copy2(file, tmp / file.name)
     (tmp / SPEC_FILE).write_text(json.dumps({**spec.to_dict(), "step": step}, indent=1))
@@ -72,8 +67,6 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
 
 def weights_dir(run_dir: str | Path) -> Path:
     """`final/` when it is there, else the newest complete checkpoint; a clear error if neither."""
-    from ddptrain.train import checkpoint as ckpt
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
@@ -93,40 +86,19 @@ def load_model(run_dir: str | Path) -> nn.Module:
     directory = weights_dir(run_dir)
     if directory.name == FINAL:
         spec = ModelSpec.from_dict(json.loads((directory / SPEC_FILE).read_text()))
-        if spec.kind == "hf":
-            from ddptrain.models import hf
-
-            model = hf.load_pretrained_dir(directory)
-        else:
-            from safetensors.torch import load_file
-
-            model = rebuild_model(spec)
-            state = load_file(str(directory / WEIGHTS_FILE))
-            _load_state(model, state, spec, directory)
+        model = adapter_of(spec).load_final(directory, spec)
     else:
         model = _load_from_checkpoint(directory)
     return model.eval()
 
 
-def _load_state(model: nn.Module, state: dict[str, torch.Tensor], spec: ModelSpec, source: Path) -> None:
-    dtype = next(iter(state.values())).dtype if state else torch.float32
-    model.to(dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name not in spec.tied]
-    if missing or unexpected:
-        raise RuntimeError(f"{source}: the weights do not fit {spec.class_name} (missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]})")
-
-
 def _load_from_checkpoint(path: Path) -> nn.Module:
-    from ddptrain.train import checkpoint as ckpt
-
     state = ckpt.load_trainer_state(path)
     if "model_spec" not in state:
         raise RuntimeError(f"{path} was written by an older ddptrain without a model spec; it cannot be loaded "
                            "as a model (resume training to write final/)")
     spec = ModelSpec.from_dict(state["model_spec"])
-    weights = strategy_class(state["config"]["strategy"]["name"]).read_full_weights(path / "strategy")
-    model = rebuild_model(spec)
-    _load_state(model, weights, spec, path)
+    weights = strategy_class(state["config"]["strategy"]["name"]).read_full_weights(path / STRATEGY_DIR)
+    model = adapter_of(spec).rebuild(spec)
+    load_weights(model, weights, spec, path)
     return model

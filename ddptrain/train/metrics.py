@@ -114,8 +114,10 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, wandb_mode: str = "disabled", wandb_project: str = "ddptrain",
                  wandb_name: str | None = None, config: dict | None = None, run_id: str | None = None,
                  resume_step: int | None = None, progress: str = "lines", max_steps: int | None = None,
-                 window: ThroughputWindow | None = None):
+                 window: ThroughputWindow | None = None, every: int = 1):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.every = every
+        self.last_step = max_steps
         self.enabled = is_rank_zero()
         self.run_id = run_id
         self.window = window or ThroughputWindow(None, None, 1)
@@ -173,6 +175,10 @@ class MetricsLogger:
         settings = wandb.Settings(console="off", silent=True)
         return wandb.init(mode=mode, project=project, name=name, config=config, dir=str(run_dir), id=run_id,
                           resume="allow" if run_id else None, settings=settings)
+
+    def should_log(self, step: int) -> bool:
+        """Log steps: every logger's `every` steps, and the last."""
+        return step % self.every == 0 or step == self.last_step
 
     def log(self, metrics: dict) -> None:
         """One logged step: metrics.jsonl, wandb, and the console (a line above the bar, or a log line)."""

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from ddptrain.config.choices import OPTIMIZERS, SCHEDULES
+
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
                     betas: tuple[float, float], fused: bool = True) -> torch.optim.Optimizer:
@@ -22,7 +24,7 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, fused=fused)
-    raise ValueError(f"optim.name {name!r} is not one of adamw, sgd")
+    raise ValueError(f"optim.name {name!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, max_steps: int,
@@ -37,6 +39,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
         progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    if schedule not in ("cosine", "constant"):
-        raise ValueError(f"optim.schedule {schedule!r} is not one of cosine, constant")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -30,8 +30,10 @@ class Preempted(SystemExit):
 
 
 class PreemptionWatcher:
-    def __init__(self, signal_names: list[str], device: torch.device, grace_s: float | None = None):
+    def __init__(self, signal_names: list[str], device: torch.device, grace_s: float | None = None,
+                 check_every: int = 1):
         self.device = device
+        self.check_every = check_every
         self.grace_s = grace_s
         self.received: int | None = None
         self._previous = {}
@@ -69,6 +71,11 @@ class PreemptionWatcher:
                       "complete one stands", get_rank(), signal.Signals(signum).name, self.grace_s)
             logging.shutdown()
             os._exit(128 + signum)
+
+    def should_stop_at(self, step: int) -> bool:
+        """Collective on every `check_every`-th step (a tiny all-reduce the host waits for): did any
+        rank receive a preemption signal? False on other steps, without communicating."""
+        return step % self.check_every == 0 and self.should_stop()
 
     def should_stop(self) -> bool:
         stop = any_rank(self.received is not None, self.device)

@@ -1,4 +1,9 @@
-"""Rank-0 progress: a bar with ETA and loss on a terminal; periodic log lines otherwise.
+"""Rank-0 progress: a bar with the ETA and the loss of the last logged step on a terminal;
+periodic log lines otherwise.
+
+The bar moves after every step, but the trainer passes a loss only on the steps whose numbers it
+reads anyway (logging steps, and evaluation and checkpoint steps): reading a loss waits for the
+device and the loss all-reduce. So the bar shows the loss of the last logged step.
 
 The bar shares the console log stream (stderr). While the bar is shown, that stream is wrapped so
 that any log record (a checkpoint message, a warning) first clears the bar line, prints, and the
@@ -40,6 +45,7 @@ class Progress:
         self._started = time.perf_counter()
         self._step = start_step
         self._text = ""
+        self._loss: float | None = None  # of the last step the trainer read
         self._drawn_at = 0.0
         self._handlers: list[tuple[logging.StreamHandler, TextIO]] = []
         if self.is_bar:
@@ -64,8 +70,11 @@ class Progress:
     # -- the bar ---------------------------------------------------------------------------------
 
     def update(self, step: int, loss: float | None = None) -> None:
-        """After every optimizer step; redraws the bar at most every min_interval_s (and at the end)."""
+        """After every optimizer step; redraws the bar at most every min_interval_s (and at the end).
+        `loss` (the trainer gives it on the steps it reads) is drawn beside the bar."""
         self._step = step
+        if loss is not None:
+            self._loss = loss
         if not self.is_bar:
             return
         now = time.perf_counter()
@@ -76,8 +85,8 @@ class Progress:
         filled = int(width * step / self.total_steps)
         parts = [f"step {step}/{self.total_steps} [{'#' * filled}{'.' * (width - filled)}] "
                  f"{100 * step / self.total_steps:3.0f}%"]
-        if loss is not None:
-            parts.append(f"loss {loss:.4f}")
+        if self._loss is not None:
+            parts.append(f"loss {self._loss:.4f}")
         eta = self.eta_seconds()
         parts.append(f"ETA {format_duration(eta)}" if eta is not None else "ETA --:--")
         self._text = " | ".join(parts)

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from ddptrain.config.choices import STRATEGIES
 from ddptrain.train.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -23,9 +24,10 @@ MAY_CHANGE = (
     "run.dir", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_examples",
     "trainer.grad_clip", "trainer.empty_step", "trainer.nonfinite", "optim.lr", "optim.schedule",
     "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps", "batch.micro_size", "batch.micro_tokens",
-    "data.cache_dir", "logger", "checkpoint", "dist", "strategy.bucket_cap_mb", "strategy.find_unused_parameters",
+    "data.cache_dir", "logger", "checkpoint", "dist",
 )
-"""Keys (or whole sections) that may differ from the checkpoint's config."""
+"""Keys (or whole sections) that may differ from the checkpoint's config; and each strategy's own
+options that may (`StrategyChoice.may_change_on_resume` in ddptrain/config/choices.py)."""
 
 SCHEDULE_KEYS = ("optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps",
                  "trainer.max_steps")
@@ -40,8 +42,14 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def _may_change(key: str) -> bool:
-    return any(key == allowed or key.startswith(allowed + ".") for allowed in MAY_CHANGE)
+def may_change(strategy: str | None) -> tuple[str, ...]:
+    """The keys that may change on resume for a run of `strategy`."""
+    choice = STRATEGIES.get(strategy)
+    return MAY_CHANGE + tuple(f"strategy.{option}" for option in (choice.may_change_on_resume if choice else ()))
+
+
+def _may_change(key: str, allowed_keys: tuple[str, ...]) -> bool:
+    return any(key == allowed or key.startswith(allowed + ".") for allowed in allowed_keys)
 
 
 def config_changes(saved: dict, current: dict, defaults: dict) -> list[tuple[str, Any, Any]]:
@@ -60,16 +68,17 @@ def config_changes(saved: dict, current: dict, defaults: dict) -> list[tuple[str
 def check_config(saved: dict, current: dict, defaults: dict) -> list[tuple[str, Any, Any]]:
     """The changes to apply; raises CheckpointError listing every change that may not be made."""
     changes = config_changes(saved, current, defaults)
-    refused = [change for change in changes if not _may_change(change[0])]
+    allowed = may_change(saved.get("strategy", {}).get("name"))
+    refused = [change for change in changes if not _may_change(change[0], allowed)]
     if refused:
         lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
         hint = ""
         if any(key == "strategy.name" for key, _, _ in refused):
-            hint = (" A checkpoint's optimizer state is in its strategy's own format (DeepSpeed shards for zero*), so "
-                    "ddp <-> zero conversion is not supported: resume with the original strategy.")
+            hint = (" A checkpoint's optimizer state is in its strategy's own format, so it resumes with the "
+                    "strategy that wrote it.")
         raise CheckpointError(f"the config differs from the checkpoint's in keys that cannot change on resume: {lines}.{hint}"
                               " Resume with the checkpoint's values, or start a new run (another run.dir, or "
-                              f"checkpoint.resume=none). Keys that may change: {', '.join(MAY_CHANGE)}")
+                              f"checkpoint.resume=none). Keys that may change: {', '.join(allowed)}")
     for key, old, new in changes:
         log.info("resume: %s changed from %r to %r (applied)", key, old, new)
     return changes

@@ -1,0 +1,90 @@
+"""Every choice of the config, declared once: the allowed values of each enumerated key, and each
+strategy's own options. The engine, the strategies, the builder and validation read them from here.
+
+This module imports nothing of ddptrain (nor Hydra): it is the bottom of the import graph, so the
+library API (`ddptrain.Engine`) can read it without pulling in the config machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
+"""trainer.precision: fp32 and fp64 weights and math; bf16 and fp16 autocast over fp32 weights (fp16 with
+dynamic loss scaling)."""
+STEP_POLICIES = ("skip", "stop")
+"""trainer.empty_step and trainer.nonfinite: skip the update (counted, warned) | stop the run."""
+OPTIMIZERS = ("adamw", "sgd")
+"""optim.name"""
+SCHEDULES = ("cosine", "constant")
+"""optim.schedule (after linear warmup)."""
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+"""model=hf: model.attn_implementation."""
+DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf")
+"""data.name"""
+SPLIT_BY = ("file", "paragraph")
+"""data.split_by (data=text)."""
+DECODE_ERRORS = ("replace", "error")
+"""data.on_decode_error"""
+TOKEN_DTYPES = ("uint16", "uint32")
+"""data.dtype (data=tokens)."""
+WANDB_MODES = ("online", "offline", "disabled")
+"""logger.wandb.mode"""
+PROGRESS_MODES = ("auto", "bar", "lines")
+"""logger.progress"""
+RESUME_MODES = ("auto", "none")
+"""checkpoint.resume, besides a checkpoint path."""
+
+
+# -- strategies: each one's options (the keys of its `strategy=<name>` section besides `name`) -----------
+
+
+@dataclass
+class DDPOptions:
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size."""
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in a step."""
+
+
+@dataclass
+class ZeROOptions:
+    deepspeed: dict = field(default_factory=dict)
+    """Extra DeepSpeed config keys, merged into the config ddptrain derives and checked against it."""
+
+
+@dataclass
+class FSDPOptions:
+    reshard_after_forward: bool = True
+    """Free gathered weights after each forward (less memory, one more all-gather in backward)."""
+    shard_modules: list = field(default_factory=list)
+    """Class names to shard as units (default: the model's transformer blocks)."""
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """What the config knows of a strategy: where its class is, its options, its precisions."""
+
+    target: str
+    """module:Class of its implementation (imported only when the strategy is built)."""
+    options: type
+    """Its Options dataclass."""
+    precisions: tuple[str, ...] = PRECISIONS
+    """The trainer.precision values it supports."""
+    may_change_on_resume: tuple[str, ...] = ()
+    """Its options that may differ from a checkpoint's on resume (they do not touch saved state)."""
+
+
+_ZERO_PRECISIONS = ("fp32", "bf16")  # DeepSpeed keeps fp32 master weights; the Engine autocasts bf16
+
+STRATEGIES = {
+    "ddp": StrategyChoice("ddptrain.strategies.ddp:DDPStrategy", DDPOptions,
+                          may_change_on_resume=("bucket_cap_mb", "find_unused_parameters")),
+    "zero1": StrategyChoice("ddptrain.strategies.deepspeed:ZeRO1", ZeROOptions, _ZERO_PRECISIONS),
+    "zero2": StrategyChoice("ddptrain.strategies.deepspeed:ZeRO2", ZeROOptions, _ZERO_PRECISIONS),
+    "zero3": StrategyChoice("ddptrain.strategies.deepspeed:ZeRO3", ZeROOptions, _ZERO_PRECISIONS),
+    "fsdp": StrategyChoice("ddptrain.strategies.fsdp:FSDPStrategy", FSDPOptions),
+}
+"""The strategies by name: the one list of them. Adding one is its file in ddptrain/strategies/,
+one line here, and conf/strategy/<name>.yaml."""
+STRATEGY_NAMES = tuple(STRATEGIES)

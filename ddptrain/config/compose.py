@@ -1,0 +1,32 @@
+"""Composition: where conf/ is, the typed defaults in Hydra's ConfigStore, and the config of a
+list of overrides for commands that are not `@hydra.main` (verify, plan, tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+
+from ddptrain.config.schema import TrainConfig
+
+# conf/ sits at the top of a source checkout; an installed wheel carries it as ddptrain.conf.
+_SOURCE_CONF = Path(__file__).resolve().parents[2] / "conf"
+CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else "pkg://ddptrain.conf"
+"""Hydra's config path for every command: conf/ of a checkout, else the wheel's ddptrain.conf."""
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="base_config", node=TrainConfig)
+
+
+def compose_config(overrides: list[str]):
+    """The training config for these Hydra overrides (conf/ and the typed defaults), not validated."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+
+    register_configs()
+    if CONFIG_PATH.startswith("pkg://"):
+        context = initialize_config_module(config_module=CONFIG_PATH.removeprefix("pkg://"), version_base="1.3")
+    else:
+        context = initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3")
+    with context:
+        return compose(config_name="config", overrides=list(overrides))

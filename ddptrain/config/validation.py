@@ -1,0 +1,224 @@
+"""Validation of the config in one place, before the process group starts.
+
+`validate` runs on every rank, so a bad value fails fast everywhere with the same message naming
+the key, the value and the rule. The allowed values come from ddptrain/config/choices.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import signal
+import typing
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ddptrain.config import choices
+from ddptrain.config.schema import MODEL_SCHEMAS, ConfigError, TrainConfig
+
+_CHOICES = {
+    "trainer.precision": choices.PRECISIONS,
+    "trainer.empty_step": choices.STEP_POLICIES,
+    "trainer.nonfinite": choices.STEP_POLICIES,
+    "optim.name": choices.OPTIMIZERS,
+    "optim.schedule": choices.SCHEDULES,
+    "data.name": choices.DATA_SOURCES,
+    "data.split_by": choices.SPLIT_BY,
+    "data.on_decode_error": choices.DECODE_ERRORS,
+    "data.dtype": choices.TOKEN_DTYPES,
+    "logger.wandb.mode": choices.WANDB_MODES,
+    "logger.progress": choices.PROGRESS_MODES,
+}
+"""Each enumerated key and where its values are declared."""
+
+_POSITIVE = (
+    "trainer.max_steps", "trainer.log_every", "trainer.eval_examples", "batch.global_size", "batch.micro_size",
+    "batch.seq_len", "dist.timeout_s",
+)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg: Any, world_size: int) -> int:
+    """Check every rule; return the gradient accumulation steps. Raises ConfigError."""
+    check_known_keys(cfg)
+    missing = OmegaConf.missing_keys(cfg) if isinstance(cfg, DictConfig) else set()
+    if missing:
+        key = sorted(missing)[0]
+        raise ConfigError(f"{key} is required and has no value (???), e.g. {key}=/path/to/model_dir"
+                          if key == "model.path" else f"{key} is required and has no value (???)")
+    return _validate_values(cfg, world_size)
+
+
+def _validate_values(cfg: Any, world_size: int) -> int:
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for key in _POSITIVE:
+        value = _get(cfg, key)
+        if not value > 0:
+            raise ConfigError(f"{key}={value!r} must be > 0")
+    if cfg.optim.decay_steps is not None and not cfg.optim.decay_steps > 0:
+        raise ConfigError(f"optim.decay_steps={cfg.optim.decay_steps!r} must be > 0 or null (trainer.max_steps)")
+    for key in ("trainer.eval_every", "optim.warmup_steps", "checkpoint.every"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
+    if cfg.trainer.grad_clip is not None and not cfg.trainer.grad_clip > 0:
+        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip!r} must be > 0 or null (no clipping)")
+    if not cfg.optim.lr > 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr!r} must be > 0")
+    if not 0 <= cfg.data.val_percent < 100:
+        raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
+    if cfg.data.max_docs is not None and cfg.data.max_docs < 2:
+        raise ConfigError(f"data.max_docs={cfg.data.max_docs!r} must be >= 2 (or null for all documents)")
+    _validate_data(cfg.data)
+    if cfg.logger.peak_flops is not None and not cfg.logger.peak_flops > 0:
+        raise ConfigError(f"logger.peak_flops={cfg.logger.peak_flops!r} must be > 0 or null (from the device table)")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep!r} must be >= 1")
+    for name in cfg.checkpoint.preempt_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals):
+            raise ConfigError(f"checkpoint.preempt_signals has {name!r}, which is not a signal name like SIGUSR1")
+    if not cfg.checkpoint.preempt_check_every > 0:
+        raise ConfigError(f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every!r} must be > 0")
+    if not cfg.checkpoint.preempt_grace_s > 0:
+        raise ConfigError(f"checkpoint.preempt_grace_s={cfg.checkpoint.preempt_grace_s!r} must be > 0")
+    if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
+        raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
+    _validate_strategy(cfg.strategy, cfg.trainer.precision)
+    _validate_model(cfg.model)
+    if not 0 <= cfg.objective.label_smoothing < 1:
+        raise ConfigError(f"objective.label_smoothing={cfg.objective.label_smoothing!r} must be in [0, 1)")
+    if not cfg.objective.z_loss >= 0:
+        raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be >= 0")
+    batch = cfg.batch
+    if batch.micro_tokens is not None or batch.pack:
+        if batch.micro_tokens is not None and batch.micro_tokens < batch.seq_len:
+            raise ConfigError(f"batch.micro_tokens={batch.micro_tokens} must be >= batch.seq_len={batch.seq_len} "
+                              "(a microbatch holds at least one full sequence)")
+        if batch.global_size < world_size or (batch.micro_tokens is None and batch.global_size % world_size):
+            rule = "at least" if batch.micro_tokens is not None else "divisible by"
+            raise ConfigError(f"batch.global_size={batch.global_size} must be {rule} the world size {world_size}")
+        return 0  # varies per step and rank
+    return grad_accum_steps(batch.global_size, batch.micro_size, world_size)
+
+
+def _schema_keys(schema) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def _unknown_key_error(key: str, known: list[str], prefix: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+    return ConfigError(f"{prefix}{key} is not a config key{hint}; the keys of {prefix.rstrip('.') or 'the config'} "
+                       f"are: {', '.join(known)}")
+
+
+def check_known_keys(cfg: Any, schema=None, prefix: str = "") -> None:
+    """Every key of `cfg` is a field of the schema (Hydra's `+key=value` adds keys no schema knows).
+
+    The `model` node is checked against its own kind's schema; a `_target_` factory's other keys
+    are its keyword arguments and are not checked here. Plain `dict` fields are free-form.
+    """
+    schema = schema or TrainConfig
+    known = _schema_keys(schema)
+    types = typing.get_type_hints(schema)
+    for key in cfg.keys():
+        if key not in known:
+            raise _unknown_key_error(str(key), known, prefix)
+        field_type = types[key]
+        if prefix == "" and key in ("model", "strategy"):
+            continue  # checked per kind: _validate_model, _validate_strategy
+        if dataclasses.is_dataclass(field_type) and isinstance(cfg[key], DictConfig):
+            check_known_keys(cfg[key], field_type, f"{prefix}{key}.")
+
+
+def _validate_model(model: Any) -> None:
+    if "_target_" in model:
+        if not isinstance(model["_target_"], str) or "." not in model["_target_"]:
+            raise ConfigError(f"model._target_={model['_target_']!r} must be a dotted path to a callable that "
+                              "returns an nn.Module, e.g. my_package.models.build")
+        return
+    name = model.get("name")
+    if name not in MODEL_SCHEMAS:
+        raise ConfigError(f"model.name={name!r} is not one of {', '.join(MODEL_SCHEMAS)} "
+                          "(or give model._target_=pkg.module.factory for your own model)")
+    schema = MODEL_SCHEMAS[name]
+    check_known_keys(model, schema, "model.")
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(schema), model)
+    except OmegaConfBaseException as error:
+        message = str(error).split("\n")[0]
+        raise ConfigError(f"model.{error.full_key}: {message} (model={name})") from None
+    for key in OmegaConf.missing_keys(typed):
+        raise ConfigError(f"model.{key} is required for model={name}, e.g. model.{key}=/path/to/model_dir")
+    schema.check(typed)
+
+
+def _validate_strategy(strategy: Any, precision: str) -> None:
+    name = strategy.get("name")
+    if name not in choices.STRATEGIES:
+        raise ConfigError(f"strategy.name={name!r} is not one of {', '.join(choices.STRATEGY_NAMES)}")
+    choice = choices.STRATEGIES[name]
+    options = {key: value for key, value in strategy.items() if key != "name"}
+    known = [f.name for f in dataclasses.fields(choice.options)]
+    for key in options:
+        if key not in known:
+            raise _unknown_key_error(str(key), ["name", *known], "strategy.")
+    try:
+        OmegaConf.merge(OmegaConf.structured(choice.options), options)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"strategy.{error.full_key}: {str(error).splitlines()[0]} (strategy={name})") from None
+    if precision not in choice.precisions:
+        raise ConfigError(f"trainer.precision={precision} is not supported with strategy={name} (it supports "
+                          f"{', '.join(choice.precisions)})")
+
+
+def strategy_options(strategy: Any) -> dict:
+    """The strategy section's own options (everything but `name`), as plain values."""
+    section = OmegaConf.to_container(strategy, resolve=True) if isinstance(strategy, DictConfig) else dict(strategy)
+    return {key: value for key, value in section.items() if key != "name"}
+
+
+def _validate_data(data: Any) -> None:
+    if data.name != "stdlib" and not data.paths:
+        raise ConfigError(f"data.paths is empty: data={data.name} needs files or globs, e.g. data.paths=[corpus/*.txt]")
+    if data.name == "stdlib" and (data.paths or data.val_paths):
+        raise ConfigError("data.paths / data.val_paths are not used by data=stdlib; pick data=text, jsonl, tokens or hf")
+    if data.vocab_size is not None and data.vocab_size < 2:
+        raise ConfigError(f"data.vocab_size={data.vocab_size!r} must be >= 2 (or null: the tokenizer's)")
+    if data.name == "tokens":
+        if data.vocab_size is None:
+            raise ConfigError("data.vocab_size is required for data=tokens: the model's vocabulary, above every "
+                              "token id in the files (e.g. 50304 for GPT-2 tokens)")
+        if data.tokenizer not in (None, "byte"):
+            raise ConfigError(f"data.tokenizer={data.tokenizer!r} does not apply to data=tokens (already tokenized)")
+        if data.eod_token is not None and data.index is not None:
+            raise ConfigError("data.eod_token and data.index both split token files into documents; set one")
+        if data.eod_token is not None and not 0 <= data.eod_token < data.vocab_size:
+            raise ConfigError(f"data.eod_token={data.eod_token} must be in [0, data.vocab_size={data.vocab_size})")
+        max_id = 1 << (16 if data.dtype == "uint16" else 32)
+        if data.vocab_size > max_id:
+            raise ConfigError(f"data.vocab_size={data.vocab_size} does not fit data.dtype={data.dtype} "
+                              f"(ids < {max_id}); use data.dtype=uint32")
+    elif data.eod_token is not None or data.index is not None:
+        raise ConfigError(f"data.eod_token / data.index apply to data=tokens only, not data={data.name}")
+
+
+def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """global / (micro x world), or a ConfigError naming the three numbers."""
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"batch.global_size={global_batch_size} must be divisible by batch.micro_size={micro_batch_size} "
+            f"x world size {world_size} = {per_step}"
+        )
+    return global_batch_size // per_step

@@ -1,0 +1,256 @@
+"""One adapter per kind of model: everything that differs between the built-in GPT, a local
+transformers directory and a `_target_` factory lives here, so the trainer, verify and final/ ask
+an adapter and never compare a kind's name.
+
+    adapter = adapter_for(cfg.model)             # from the `model` config section
+    model, spec = adapter.build(model_cfg, vocab_size, seq_len)
+    adapter.check_model(model, cfg.model, seq_len, pack)
+    adapter_of(spec).load_final(directory, spec)  # from a spec written beside the weights
+
+Activation checkpointing (trainer.activation_checkpointing) keeps only each block's input in the
+forward pass and recomputes the block in backward. The activations a block saves for backward
+(attention inputs, the 4x-wide MLP hidden, norms) are freed after its forward and rebuilt when
+backward reaches it, so activation memory drops from all of every block's saved tensors to one
+tensor per block plus one block's worth at a time, for one extra forward pass of compute (~1/3
+more FLOPs per step). Checkpointing is non-reentrant (`use_reentrant=False`): it works under DDP's
+no_sync, with keyword arguments (packed rows) and with inputs that need no grad, and it restores
+the RNG state so dropout recomputes the same mask. The update is unchanged: the recompute runs the
+same operations on the same inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddptrain.models import hf  # imports no transformers by itself: only its functions do
+from ddptrain.models.gpt import GPT, GPTConfig
+from ddptrain.models.spec import ModelError, ModelSpec, accepts_packed_rows, class_path, tied_parameters
+
+WEIGHTS_FILE = "model.safetensors"
+"""The weights in final/ (every kind: transformers' save_pretrained writes this name too)."""
+
+
+class ModelAdapter:
+    """What one kind of model needs done its own way. Stateless but for CustomAdapter's target."""
+
+    kind: str = ""
+    """gpt | hf | custom (ModelSpec.kind)"""
+
+    def default_tokenizer(self, model_cfg: Mapping) -> str | None:
+        """The tokenizer of a run with data.tokenizer=null; None: bytes."""
+        return None
+
+    def build(self, model_cfg: dict, vocab_size: int, seq_len: int) -> tuple[nn.Module, ModelSpec]:
+        """The module of the `model` config section (a plain dict) and its spec. Seed torch first."""
+        config = dict(model_cfg)
+        module = self._new_module(config, vocab_size, seq_len)
+        spec = ModelSpec(kind=self.kind, config=config, vocab_size=vocab_size, max_seq_len=seq_len,
+                         class_name=class_path(module), tied=tied_parameters(module))
+        return module, spec
+
+    def _new_module(self, config: dict, vocab_size: int, seq_len: int) -> nn.Module:
+        raise NotImplementedError
+
+    def check_model(self, model: nn.Module, model_cfg: Mapping, seq_len: int, pack: bool) -> None:
+        """A ModelError when `model` cannot train as configured (batch.pack, batch.seq_len)."""
+        if pack and not accepts_packed_rows(model):
+            raise ModelError(f"batch.pack=true needs a model whose forward takes positions= and segments= "
+                             f"(attention inside each document); {type(model).__name__}.forward does not; "
+                             "use batch.pack=false")
+
+    def enable_activation_checkpointing(self, model: nn.Module) -> None:
+        """Checkpoint every transformer block of `model` (see the module docstring)."""
+        raise NotImplementedError
+
+    def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> list[Path]:
+        """What final/ needs to tokenize like this run: data.tokenizer's json, none for bytes."""
+        return [Path(tokenizer).expanduser()] if tokenizer not in (None, "byte") else []
+
+    def save_final(self, module: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path,
+                   spec: ModelSpec) -> None:
+        """Write the weights into `directory`: model.safetensors, tied aliases stored once."""
+        from safetensors.torch import save_file
+
+        stored = {name: tensor.contiguous() for name, tensor in state_dict.items() if name not in spec.tied}
+        save_file(stored, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    def load_final(self, directory: Path, spec: ModelSpec) -> nn.Module:
+        """The module `save_final` wrote into `directory`, in the dtype it was saved in."""
+        from safetensors.torch import load_file
+
+        model = self.rebuild(spec)
+        load_weights(model, load_file(str(directory / WEIGHTS_FILE)), spec, directory)
+        return model
+
+    def rebuild(self, spec: ModelSpec) -> nn.Module:
+        """An untrained module of the same shape as the one `spec` describes (for loading weights)."""
+        return self._new_module(spec.config, spec.vocab_size, spec.max_seq_len)
+
+
+class GPTAdapter(ModelAdapter):
+    """model=gpt: the built-in GPT (ddptrain.models.gpt); it takes packed rows."""
+
+    kind = "gpt"
+
+    def _new_module(self, config: dict, vocab_size: int, seq_len: int) -> GPT:
+        fields = {key: value for key, value in config.items() if key != "name"}
+        return GPT(GPTConfig(vocab_size=vocab_size, max_seq_len=seq_len, **fields))
+
+    def enable_activation_checkpointing(self, model: nn.Module) -> None:
+        model.activation_checkpointing = True  # GPT's own per-block flag
+
+
+class HFAdapter(ModelAdapter):
+    """model=hf: a causal LM from a local transformers directory (ddptrain.models.hf)."""
+
+    kind = "hf"
+
+    def default_tokenizer(self, model_cfg: Mapping) -> str | None:
+        found = hf.tokenizer_file(model_cfg["path"])
+        return str(found) if found is not None else None
+
+    def build(self, model_cfg: dict, vocab_size: int, seq_len: int) -> tuple[nn.Module, ModelSpec]:
+        module, spec = super().build(model_cfg, vocab_size, seq_len)
+        spec.hf_config = module.config.to_dict()
+        return module, spec
+
+    def _new_module(self, config: dict, vocab_size: int, seq_len: int) -> nn.Module:
+        return hf.load_causal_lm(config["path"], config.get("attn_implementation", "sdpa"), vocab_size)
+
+    def check_model(self, model: nn.Module, model_cfg: Mapping, seq_len: int, pack: bool) -> None:
+        if pack:
+            hf.check_packing(model)  # architectures differ in honouring a 4D mask: one probe forward tells
+        limit = hf.max_positions(model)
+        if limit is not None and seq_len > limit:
+            raise ModelError(f"batch.seq_len={seq_len} exceeds the model's context of {limit} "
+                             f"positions (model.path={model_cfg['path']})")
+
+    def enable_activation_checkpointing(self, model: nn.Module) -> None:
+        hf.enable_activation_checkpointing(model)
+
+    def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> list[Path]:
+        """The model directory's tokenizer files, unless the run used another tokenizer.json."""
+        source = Path(model_cfg["path"]).expanduser()
+        if tokenizer not in (None, "byte") and \
+                Path(tokenizer).expanduser().resolve() != (source / "tokenizer.json").resolve():
+            return [Path(tokenizer).expanduser()]
+        return [source / name for name in hf.TOKENIZER_FILES if (source / name).is_file()]
+
+    def save_final(self, module: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path,
+                   spec: ModelSpec) -> None:
+        hf.save_pretrained(module, state_dict, directory)  # exactly a save_pretrained directory
+
+    def load_final(self, directory: Path, spec: ModelSpec) -> nn.Module:
+        return hf.load_pretrained_dir(directory)
+
+    def rebuild(self, spec: ModelSpec) -> nn.Module:
+        return hf.from_config_dict(spec.hf_config)
+
+
+class CustomAdapter(ModelAdapter):
+    """model._target_: any factory returning an nn.Module, called Hydra's instantiate way."""
+
+    kind = "custom"
+
+    def __init__(self, target: str = ""):
+        self.target = target
+        """model._target_ (for messages)."""
+
+    def _new_module(self, config: dict, vocab_size: int, seq_len: int) -> nn.Module:
+        """`_target_` is called with the other keys as keyword arguments. `vocab_size` and
+        `max_seq_len` are passed too when the factory takes them and the config does not set them:
+        the data decides the vocabulary."""
+        target = config["_target_"]
+        factory = resolve_target(target)
+        kwargs = {key: value for key, value in config.items() if not (key.startswith("_") and key.endswith("_"))}
+        try:
+            params = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            params = {}
+        for name, value in (("vocab_size", vocab_size), ("max_seq_len", seq_len)):
+            if name in params and name not in kwargs:
+                kwargs[name] = value
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        unknown = [key for key in kwargs if params and not takes_any and key not in params]
+        if unknown:
+            raise ModelError(f"model._target_={target} does not take {', '.join(unknown)} (its arguments: "
+                             f"{', '.join(params)}); with model=custom only the factory's arguments belong under "
+                             "model.*")
+        module = factory(**kwargs)
+        if not isinstance(module, nn.Module):
+            raise ModelError(f"model._target_={target} returned {type(module).__name__}, not a torch.nn.Module")
+        return module
+
+    def enable_activation_checkpointing(self, model: nn.Module) -> None:
+        """The built-in GPT's flag if the factory returned one; else transformers' convention,
+        `gradient_checkpointing_enable` (per decoder layer); else a ModelError, since only the
+        module knows where its blocks are."""
+        if isinstance(model, GPT):
+            GPTAdapter().enable_activation_checkpointing(model)
+        elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+            hf.enable_activation_checkpointing(model)
+        else:
+            raise ModelError(f"trainer.activation_checkpointing=true: {type(model).__name__} (model._target_="
+                             f"{self.target}) has no gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) "
+                             "method, so ddptrain does not know its blocks; add that method (transformers' "
+                             "convention, e.g. wrapping each block in torch.utils.checkpoint.checkpoint(..., "
+                             "use_reentrant=False)) or set trainer.activation_checkpointing=false")
+
+
+NAMED = {"gpt": GPTAdapter, "hf": HFAdapter}
+"""model.name -> adapter (a `_target_` factory is CustomAdapter whatever its name)."""
+
+
+def adapter_for(model_cfg: Mapping) -> ModelAdapter:
+    """The adapter of the `model` config section (a plain dict or a DictConfig): `_target_` present
+    is a custom factory, else model.name picks (absent: the built-in GPT)."""
+    if "_target_" in model_cfg:
+        return CustomAdapter(str(model_cfg["_target_"]))
+    name = model_cfg.get("name") or "gpt"
+    if name not in NAMED:
+        raise ModelError(f"model.name={name!r} is not one of {', '.join(NAMED)} "
+                         "(or give model._target_=pkg.module.factory for your own model)")
+    return NAMED[name]()
+
+
+def adapter_of(spec: ModelSpec) -> ModelAdapter:
+    """The adapter of the model `spec` describes (spec.kind, as written beside its weights)."""
+    if spec.kind == CustomAdapter.kind:
+        return CustomAdapter(spec.config.get("_target_", spec.class_name))
+    if spec.kind not in NAMED:
+        raise ModelError(f"model spec kind={spec.kind!r} is not one of {', '.join([*NAMED, CustomAdapter.kind])} "
+                         f"(class {spec.class_name}); was it written by a newer ddptrain?")
+    return NAMED[spec.kind]()
+
+
+def enable_activation_checkpointing(module: nn.Module, spec: ModelSpec) -> nn.Module:
+    """Checkpoint every transformer block of `module` (built as `spec` says); returns `module`."""
+    adapter_of(spec).enable_activation_checkpointing(module)
+    return module
+
+
+def resolve_target(target: str):
+    """The callable at the dotted path `target` (`pkg.module.factory` or `pkg.module.Class`)."""
+    module_name, _, attr = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ModelError(f"model._target_={target!r} cannot be imported: {error} "
+                         "(is its package on PYTHONPATH / installed?)") from None
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], spec: ModelSpec, source: Path) -> None:
+    """Load `state` (all weights, tied aliases possibly left out) into `model`, in `state`'s dtype."""
+    dtype = next(iter(state.values())).dtype if state else torch.float32
+    model.to(dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if name not in spec.tied]
+    if missing or unexpected:
+        raise RuntimeError(f"{source}: the weights do not fit {spec.class_name} (missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]})")

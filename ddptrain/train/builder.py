@@ -1,0 +1,139 @@
+"""One builder: a validated config -> data, model, optimizer, schedule and engine.
+
+The trainer and `python -m ddptrain.verify` build through the same functions, so what verify
+checks is what training runs. The order is the flow of the package: data (the global-batch plan
+and this rank's share), then the model through its kind's adapter (checks, activation
+checkpointing, compile), then optimizer and schedule, then the engine under the strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from ddptrain.config.validation import grad_accum_steps, strategy_options
+from ddptrain.data import DataSplits, TrainBatches, load_splits
+from ddptrain.distributed import DistInfo
+from ddptrain.engine.engine import Engine
+from ddptrain.engine.objective import Objective
+from ddptrain.models.adapters import ModelAdapter, adapter_for
+from ddptrain.models.spec import ModelSpec
+from ddptrain.models.compiling import compile_model
+from ddptrain.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Built:
+    """What a run is made of."""
+
+    data: DataSplits
+    batches: TrainBatches
+    """This rank's microbatches of every step (the global-batch plan is the same on every rank)."""
+    model: nn.Module
+    """The unwrapped module (the engine holds the wrapped one)."""
+    spec: ModelSpec
+    adapter: ModelAdapter
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    engine: Engine
+
+
+def resolve_tokenizer(cfg) -> None:
+    """data.tokenizer=null becomes the model kind's own tokenizer (model=hf's tokenizer.json), else bytes."""
+    if cfg.data.tokenizer is None:
+        cfg.data.tokenizer = adapter_for(cfg.model).default_tokenizer(cfg.model) or "byte"
+
+
+def decay_steps(cfg) -> int:
+    """The LR schedule's length: optim.decay_steps, else trainer.max_steps."""
+    return cfg.optim.decay_steps or cfg.trainer.max_steps
+
+
+def load_data(cfg, dist_info: DistInfo) -> DataSplits:
+    """The tokenized splits; local rank 0 of each node preprocesses into the shared cache, the others wait."""
+    started = time.perf_counter()
+    data = load_splits(cfg.data, cfg.batch.seq_len, local_rank=dist_info.local_rank)
+    log.info("data: %d train documents -> %d examples (%d valid targets), %d validation examples, %.1fs",
+             data.train.documents, len(data.train), data.train.valid_targets(), len(data.val),
+             time.perf_counter() - started)
+    return data
+
+
+def train_batches(cfg, data: DataSplits, dist_info: DistInfo) -> TrainBatches:
+    batch = cfg.batch
+    return TrainBatches(data.train, batch.global_size, batch.micro_size, cfg.run.seed, dist_info.rank,
+                        dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len)
+
+
+def build_model(cfg, vocab_size: int) -> tuple[nn.Module, ModelSpec, ModelAdapter]:
+    """The configured model with the same initial weights on every rank, checked by its adapter
+    (packing, context length), with activation checkpointing and compile when configured."""
+    torch.manual_seed(cfg.run.seed)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    adapter = adapter_for(model_cfg)
+    model, spec = adapter.build(model_cfg, vocab_size, cfg.batch.seq_len)
+    adapter.check_model(model, model_cfg, cfg.batch.seq_len, cfg.batch.pack)
+    if cfg.trainer.activation_checkpointing:
+        adapter.enable_activation_checkpointing(model)
+    if cfg.trainer.compile:
+        compile_model(model)  # after the adapter's eager checks
+    return model, spec, adapter
+
+
+def optimizer_and_schedule(cfg, model: nn.Module):
+    optim = cfg.optim
+    optimizer = build_optimizer(model, optim.name, optim.lr, optim.weight_decay, tuple(optim.betas))
+    scheduler = build_scheduler(optimizer, optim.schedule, optim.warmup_steps, decay_steps(cfg), optim.min_lr_ratio)
+    return optimizer, scheduler
+
+
+def objective_of(cfg) -> Objective:
+    return Objective(label_smoothing=cfg.objective.label_smoothing, z_loss=cfg.objective.z_loss)
+
+
+def step_layout(cfg, world_size: int) -> dict:
+    """What a strategy needs of the layout: microbatch size and (when fixed) accumulation steps."""
+    batch = cfg.batch
+    varies = batch.micro_tokens is not None or batch.pack  # microbatches per step vary by step and rank
+    return {"micro_batch_size": batch.micro_size,
+            "grad_accum_steps": 1 if varies else grad_accum_steps(batch.global_size, batch.micro_size, world_size)}
+
+
+def describe_layout(cfg, world_size: int) -> str:
+    """The step's layout in words, for the start-up summary and verify's report."""
+    batch = cfg.batch
+    if batch.micro_tokens is None and not batch.pack:
+        accumulation = grad_accum_steps(batch.global_size, batch.micro_size, world_size)
+        return f"micro {batch.micro_size} x accumulation {accumulation} x world {world_size}"
+    budget = (f"microbatches of <= {batch.micro_tokens} padded tokens" if batch.micro_tokens
+              else f"{batch.micro_size} rows per microbatch")
+    packed = f"packed rows of {batch.seq_len} tokens, " if batch.pack else ""
+    return f"{packed}{budget}, world {world_size}"
+
+
+def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, precision: str | None = None,
+          nonfinite: str | None = None, prepare: Callable[[nn.Module], None] | None = None) -> Built:
+    """Everything a run needs, from a validated config. `device`, `precision` and `nonfinite`
+    default to the run's; `prepare(model)` runs after the model is built and before the engine
+    wraps it (verify turns dropout off and copies the initial weights there)."""
+    resolve_tokenizer(cfg)
+    torch.manual_seed(cfg.run.seed)
+    data = load_data(cfg, dist_info)
+    batches = train_batches(cfg, data, dist_info)
+    model, spec, adapter = build_model(cfg, data.vocab_size)
+    if prepare is not None:
+        prepare(model)
+    optimizer, scheduler = optimizer_and_schedule(cfg, model)
+    engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
+                    precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
+                    device=device or dist_info.device, objective=objective_of(cfg),
+                    strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)})
+    return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine)

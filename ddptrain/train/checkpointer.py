@@ -1,0 +1,194 @@
+"""The run directory's component: its lock, its config and log files, resume, checkpoints on their
+schedule, and the final weights.
+
+The checkpoint format (markers, hashes, RNG per rank, purging) is ddptrain/train/checkpoint.py;
+what may change on resume is ddptrain/train/resume.py; final/ is ddptrain/train/final.py. This
+class decides when they run and keeps every rank in step with rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from ddptrain.config.schema import TrainConfig
+from ddptrain.distributed import DistInfo, Rank0Filter, barrier, is_rank_zero, raise_on_every_rank
+from ddptrain.engine.engine import Engine
+from ddptrain.fsutil import describe_write_error
+from ddptrain.models.adapters import ModelAdapter
+from ddptrain.models.spec import ModelSpec
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.checkpoint import STRATEGY_DIR
+from ddptrain.train.faults import FaultInjector
+from ddptrain.train.final import SPEC_FILE, final_dir, save_final
+from ddptrain.train.resume import SCHEDULE_KEYS, check_config, defaults_of, reset_learning_rate
+from ddptrain.train.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
+
+log = logging.getLogger(__name__)
+
+class Checkpointer:
+    def __init__(self, cfg, dist_info: DistInfo, faults: FaultInjector | None = None):
+        self.cfg = cfg
+        self.dist = dist_info
+        self.run_dir = Path(cfg.run.dir)
+        self.every = cfg.checkpoint.every
+        self.last_step = cfg.trainer.max_steps
+        self.faults = faults
+        self.config_changes: list = []
+        self._lock: RunDirLock | None = None
+        self._file_log: logging.Handler | None = None
+
+    # -- the run directory ---------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Rank 0 takes the run dir's lock; a live holder fails every rank at start-up, by name."""
+        error = None
+        if is_rank_zero():
+            try:
+                self._lock = RunDirLock(self.run_dir).acquire()
+            except (RunDirLocked, OSError) as caught:
+                error = caught
+        raise_on_every_rank(error, RunDirLocked)
+
+    def write_run_files(self) -> None:
+        """config.yaml (the resolved config) and train.log (the console log), on rank 0."""
+        if is_rank_zero():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+            self._file_log = logging.FileHandler(self.run_dir / "train.log")
+            self._file_log.addFilter(Rank0Filter())
+            self._file_log.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
+            logging.getLogger("ddptrain").addHandler(self._file_log)
+        barrier()
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self._file_log is not None:
+            logging.getLogger("ddptrain").removeHandler(self._file_log)
+            self._file_log.close()
+            self._file_log = None
+
+    # -- resume --------------------------------------------------------------------------------
+
+    def saved_state(self) -> dict:
+        """The trainer state of the checkpoint to resume from ({} for a fresh start), its config
+        checked against ours. A fresh start moves an earlier run in the run dir aside first."""
+        path = ckpt.agree_on_checkpoint(self.run_dir, self.cfg.checkpoint.resume)
+        if path is None:
+            if is_rank_zero():
+                why = ("checkpoint.resume=none" if self.cfg.checkpoint.resume == "none"
+                       else "no complete checkpoint could be resumed")
+                move_previous_run_aside(self.run_dir, why)
+            barrier()
+            return {}
+        state = ckpt.load_trainer_state(path)
+        state["path"] = path
+        current = OmegaConf.to_container(self.cfg, resolve=True)
+        self.config_changes = check_config(state.get("config", {}), current, defaults_of(TrainConfig))
+        return state
+
+    def restore(self, state: dict, engine: Engine, samples_seen: Callable[[int], int]) -> None:
+        """Load the checkpoint `saved_state` found into `engine` and this rank's RNG; check the data
+        cursor against the step (`samples_seen(step)`: the global-batch plan's count)."""
+        path = state["path"]
+        try:
+            engine.load(path / STRATEGY_DIR)
+        except (ValueError, FileNotFoundError) as error:  # a checkpoint this world or strategy cannot read
+            raise ckpt.CheckpointError(f"{path}: {error}") from error
+        engine.load_progress_state_dict(state["engine"])
+        if any(key in SCHEDULE_KEYS for key, _, _ in self.config_changes):
+            reset_learning_rate(engine.lr_scheduler, self.cfg.optim.lr)
+        step, cursor = state["step"], state["data"]
+        if cursor["samples_seen"] != samples_seen(step):
+            raise ckpt.CheckpointError(f"{path}: data cursor {cursor['samples_seen']} does not match step {step} "
+                                       f"x batch.global_size {self.cfg.batch.global_size}; the global batch size "
+                                       "must not change on resume")
+        ckpt.load_rng_for_rank(path, self.dist.rank, self.dist.world_size, state["world_size"])
+        self._check_horizon(state)
+        log.info("resumed from %s at step %d (%d samples seen)", path, step, cursor["samples_seen"])
+
+    def _check_horizon(self, state: dict) -> None:
+        """Resuming with another trainer.max_steps stretches the LR schedule unless optim.decay_steps fixes it."""
+        saved = state.get("config", {})
+        before = saved.get("optim", {}).get("decay_steps") or saved.get("trainer", {}).get("max_steps")
+        now = self.cfg.optim.decay_steps or self.cfg.trainer.max_steps
+        if before is not None and before != now:
+            log.warning("the LR schedule now runs over %d steps instead of %d (trainer.max_steps changed on resume); "
+                        "set optim.decay_steps to keep one schedule across runs of different lengths", now, before)
+        if state["step"] > self.cfg.trainer.max_steps:
+            raise ckpt.CheckpointError(f"the checkpoint is at step {state['step']}, past trainer.max_steps="
+                                       f"{self.cfg.trainer.max_steps}; raise trainer.max_steps, or start anew with "
+                                       "checkpoint.resume=none or another run.dir")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        return step == self.last_step or bool(self.every and step % self.every == 0)
+
+    def maybe_save(self, step: int, engine: Engine, trainer_state: Callable[[], dict]) -> Path | None:
+        return self.save(step, engine, trainer_state) if self.should_save(step) else None
+
+    def save(self, step: int, engine: Engine, trainer_state: Callable[[], dict]) -> Path:
+        """Collective. Non-finite weights are refused by Engine.save (the last good checkpoint stays);
+        an error on any rank (non-finite weights, a full disk) fails every rank at once."""
+        state, error = None, None
+        if is_rank_zero():
+            try:
+                state = trainer_state()
+            except Exception as caught:  # noqa: BLE001 - the other ranks must not wait for rank 0
+                error = caught
+        raise_on_every_rank(error)
+        failpoint = self.faults.in_checkpoint(step) if self.faults is not None else None
+        path = ckpt.write_checkpoint(self.run_dir, step, state, save_state=lambda d: engine.save(d),
+                                     failpoint=failpoint)
+        ckpt.purge(self.run_dir, self.cfg.checkpoint.keep, protect=path)
+        log.info("checkpoint of step %d saved in %s", step, path)
+        return path
+
+    # -- final weights -------------------------------------------------------------------------
+
+    def final_is_current(self, step: int) -> bool:
+        try:
+            return json.loads((final_dir(self.run_dir) / SPEC_FILE).read_text())["step"] == step
+        except (OSError, ValueError, KeyError):
+            return False
+
+    def save_final(self, step: int, engine: Engine, model: nn.Module, spec: ModelSpec, adapter: ModelAdapter) -> Path:
+        """Collective: gathers the full weights (every strategy) and rank 0 writes run.dir/final/."""
+        path = final_dir(self.run_dir)
+        if self.final_is_current(step):  # a preemption right after the last step's save
+            return path
+        state = engine.model_state_dict()
+        error = None
+        if is_rank_zero():
+            try:
+                _check_finite(state, step, "final weights are not written and the previous ones are kept")
+                files = adapter.tokenizer_files(OmegaConf.to_container(self.cfg.model, resolve=True),
+                                                self.cfg.data.tokenizer)
+                path = save_final(self.run_dir, model, state, spec, step, files)
+                log.info("final weights of step %d saved in %s (ddptrain.load_model(%r) reads them)",
+                         step, path, str(self.run_dir))
+            except FloatingPointError as caught:
+                error = caught
+            except OSError as caught:
+                error = ckpt.CheckpointError(f"final weights of step {step} could not be written: "
+                                             f"{describe_write_error(caught, path)}")
+        raise_on_every_rank(error, ckpt.CheckpointError)
+        return path
+
+
+def _check_finite(weights: dict[str, torch.Tensor], step: int, consequence: str) -> None:
+    bad = [name for name, value in weights.items() if value.is_floating_point() and not torch.isfinite(value).all()]
+    if bad:
+        raise FloatingPointError(f"step {step}: weights {bad[:3]} are not finite; {consequence}")
+
+
+__all__ = ["Checkpointer"]

@@ -1,0 +1,44 @@
+"""The start-up summary on rank 0: one line per topic, so Slurm logs stay greppable."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ddptrain.distributed import DistInfo
+from ddptrain.models.spec import num_parameters
+from ddptrain.train.builder import Built, describe_layout
+from ddptrain.train.metrics import MetricsLogger
+
+log = logging.getLogger(__name__)
+
+
+def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, step: int) -> None:
+    d, train = dist_info, built.data.train
+    nodes = max(d.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)), 1)
+    if d.device.type == "cuda":
+        device = f"{torch.cuda.get_device_name(d.device)} ({d.backend})"
+    else:
+        device = f"cpu, {torch.get_num_threads()} threads per rank ({d.backend})"
+    window = metrics.window
+    peak = f"{window.peak_flops:.3g} FLOP/s per device" if window.peak_flops else "unknown (MFU not reported)"
+    mean_targets = train.valid_targets() / len(train)
+    log.info("world: %d rank(s) on %d node(s) | device: %s | peak %s", d.world_size, nodes, device, peak)
+    log.info("strategy: %s | precision %s | global batch %d sequences = %s", cfg.strategy.name,
+             cfg.trainer.precision, cfg.batch.global_size, describe_layout(cfg, d.world_size))
+    log.info("tokens per step: up to %d (seq_len %d), about %.0f valid targets on average",
+             cfg.batch.global_size * cfg.batch.seq_len, cfg.batch.seq_len, cfg.batch.global_size * mean_targets)
+    flops, parameters = window.model_flops, num_parameters(built.model)
+    log.info("model: %s (%s), %d parameters (%.2fM)%s", built.spec.class_name, built.spec.kind, parameters,
+             parameters / 1e6,
+             f", {flops.n_layer} layers x {flops.n_embd} wide, {flops.per_token(cfg.batch.seq_len):.3g} training "
+             f"FLOPs per token at seq_len {cfg.batch.seq_len}" if flops else "")
+    log.info("dataset: %s, %d train documents -> %d examples, %d valid targets (%.1f per example, %.3g epochs "
+             "in %d steps) | validation %d examples", cfg.data.name, train.documents, len(train),
+             train.valid_targets(), mean_targets, cfg.trainer.max_steps * cfg.batch.global_size / len(train),
+             cfg.trainer.max_steps, len(built.data.val))
+    log.info("run dir: %s | steps %d..%d | wandb %s%s", Path(cfg.run.dir).resolve(), step, cfg.trainer.max_steps,
+             cfg.logger.wandb.mode, f" (run id {metrics.run_id})" if metrics.run_id else "")
