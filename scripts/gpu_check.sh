@@ -77,7 +77,7 @@ for r in records:
 steady = [r for r in records if r["step"] > log_every] or records
 mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
 print(f"after the first (compile) window: median {statistics.median(r['tokens_per_second'] for r in steady):,.0f} "
-      f"tokens/s, MFU {f'{statistics.median(mfus):.1%}' if mfus else 'unknown (GPU not in ddptrain/flops.py)'}, "
+      f"tokens/s, MFU {f'{statistics.median(mfus):.1%}' if mfus else 'unknown (GPU not in ddptrain/train/flops.py)'}, "
       f"peak memory {max(r['peak_memory_bytes'] for r in records) / 2**30:.2f} GiB per GPU")
 EOF
 

@@ -1,13 +1,19 @@
-"""Shared pieces of the tests: a tiny model, ragged microbatches, CLI runs, parameter comparison."""
+"""Shared pieces of the tests: a tiny model, ragged microbatches, CLI runs, parameter comparison,
+and the one rule for optional dependencies (`requires`, `import_optional`)."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
+import pytest
 import torch
 
 from ddptrain.models import GPT, GPTConfig
@@ -60,3 +66,62 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 TINY_RUN = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.max_docs=40", "trainer.log_every=1",
             "optim.warmup_steps=2", "trainer.eval_examples=8"]
+
+
+# -- optional dependencies ------------------------------------------------------------------------
+# The README's test command installs every one of these (`.[test,deepspeed]`), so in CI none is
+# absent: a test may skip only when pip never installed the distribution. An installed one whose
+# import raises (a broken build, a version clash) must fail with its own error, not skip: a
+# try/except ImportError or pytest.importorskip would turn a broken DeepSpeed into ~26 quiet skips.
+
+INSTALL_HINTS = {"deepspeed": "pip install 'ddptrain[deepspeed]'"}
+"""How to install a distribution, where the test extra does not bring it."""
+
+
+def is_installed(distribution: str) -> bool:
+    """Whether `distribution` is installed (its metadata is on the path); says nothing of whether it imports."""
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _not_installed(distribution: str) -> str:
+    hint = INSTALL_HINTS.get(distribution, "pip install -e '.[test]'")
+    return f"{distribution} is not installed ({hint})"
+
+
+def import_optional(module: str, distribution: str | None = None) -> ModuleType:
+    """`module`, imported for real. Skips only when `distribution` (default: the module's top-level
+    name) is not installed: the calling test, or the whole test file when called at its top level.
+    When it is installed, any exception of the import propagates: the test fails (at a file's top
+    level: a collection error, which fails the run) with the import's own traceback."""
+    distribution = distribution or module.partition(".")[0]
+    if not is_installed(distribution):
+        pytest.skip(_not_installed(distribution), allow_module_level=True)
+    return importlib.import_module(module)
+
+
+def requires(distribution: str, module: str | None = None):
+    """Test decorator: skipped only when `distribution` is not installed; otherwise `module` (default:
+    the distribution's name) is imported for real before the test body runs, so a broken install
+    fails the test with its own error."""
+    def decorate(test):
+        @functools.wraps(test)  # pytest reads the fixtures from the wrapped signature
+        def run(*args, **kwargs):
+            import_optional(module or distribution, distribution)
+            return test(*args, **kwargs)
+
+        return pytest.mark.skipif(not is_installed(distribution), reason=_not_installed(distribution))(run)
+
+    return decorate
+
+
+requires_deepspeed = requires("deepspeed")
+"""`@requires_deepspeed`: skipped without DeepSpeed installed, failed when it is installed and does not import."""
+
+
+def import_deepspeed() -> ModuleType:
+    """DeepSpeed, imported for real (see import_optional): for tests that need it only on some branches."""
+    return import_optional("deepspeed")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, import_deepspeed
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def test_padding_benchmark_compares_the_three_layouts():
 
 
 def test_memory_benchmark_compares_ddp_and_zero1():
-    pytest.importorskip("deepspeed")
+    import_deepspeed()
     out = _run("benchmarks.bench_memory", "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--strategies",
                "ddp,zero1")
     lines = out.splitlines()

@@ -15,7 +15,7 @@ import torch
 
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.testing import free_port
-from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
+from tests.helpers import REPO, TINY_RUN, import_deepspeed, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -190,7 +190,7 @@ def test_explicit_resume_path_that_is_incomplete_is_a_clear_error(tmp_path):
 
 
 def test_zero2_resume_is_bitwise_exact(tmp_path):
-    pytest.importorskip("deepspeed")
+    import_deepspeed()
     zero = ["strategy=zero2", "checkpoint.every=3"]
     train(tmp_path / "straight", "trainer.max_steps=6", *zero)
     train(tmp_path / "resumed", "trainer.max_steps=3", *zero)

@@ -16,9 +16,9 @@ import ddptrain
 from ddptrain.export import ExportError, export, main
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.models.convert import gpt_to_hf
-from tests.helpers import REPO, TINY_RUN, run_cli
+from tests.helpers import REPO, TINY_RUN, import_optional, run_cli
 
-transformers = pytest.importorskip("transformers")
+transformers = import_optional("transformers")
 
 VOCAB, SEQ = 256, 64
 LENGTHS = (1, 7, SEQ)

@@ -1,11 +1,31 @@
-"""A step fit for GPUs, shown on CPU: no host synchronisation from ddptrain code in steps nobody
-reads (Engine and trainer loop), NaN skips decided on the device, fp16 with dynamic loss scaling."""
+"""Host synchronisations of the step (the Engine and the trainer loop), NaN skips decided on the
+device, and fp16 with dynamic loss scaling.
+
+On CPU, where these tests always run (the ranks get CUDA_VISIBLE_DEVICES=""), nothing waits for a
+device, so what is measured is ddptrain's own code: `host_syncs` counts every call of a Tensor
+method that would wait for a GPU (`.item()`, `float()`, `.tolist()`, `.cpu()`, ...) made directly
+from a frame of the ddptrain package. Reads inside torch (optimizers, clipping, DDP, indexing
+copies) are not seen there.
+
+On a CUDA machine the `*_on_cuda` tests run the same steps on the GPU and count every host
+synchronisation, wherever it is made: `device_syncs` turns torch.cuda.set_sync_debug_mode("warn")
+into counted warnings (blocking copies, stream syncs, the syncs inside torch's own ops) and also
+counts every syncing Tensor method called on a CUDA tensor by any caller. The last test runs
+scripts/gpu_check.sh (throughput, MFU, syncs by source line on a GPT-2-small-shaped model).
+Without a GPU those tests are skipped and say so.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import shutil
+import subprocess
 import sys
+import threading
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,16 +33,21 @@ import torch
 
 import ddptrain
 from ddptrain.testing import run_distributed
-from tests.helpers import TINY_RUN, microbatch, read_metrics, run_cli, tiny_gpt
+from tests.helpers import REPO, TINY_RUN, microbatch, read_metrics, run_cli, tiny_gpt
 
 PACKAGE = str(Path(ddptrain.__file__).resolve().parent)
 SYNCING = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy", "__index__")
+SYNC_WARNING = "synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device (torch.cuda.is_available() is False): the CPU tests count "
+                                       "ddptrain's own reads only")
 
 
 @contextlib.contextmanager
 def host_syncs(where=lambda: None):
-    """Records (file:line, method, where()) of every Tensor method that waits for the device,
-    called directly from ddptrain's own code."""
+    """Records (file:line, method, where()) of every Tensor method that would wait for a GPU, called
+    directly from ddptrain's own code (on CPU nothing waits: this finds ddptrain's reads, not torch's)."""
     calls: list[tuple[str, str, object]] = []
     originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
 
@@ -43,17 +68,96 @@ def host_syncs(where=lambda: None):
             setattr(torch.Tensor, name, original)
 
 
-def _unread_engine_steps():
+def _innermost_package_frame(stack: traceback.StackSummary) -> str:
+    ours = [frame for frame in stack if frame.filename.startswith(PACKAGE)]
+    return f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "(no ddptrain frame)"
+
+
+@contextlib.contextmanager
+def device_syncs(where=lambda: None):
+    """On CUDA: records (innermost ddptrain file:line, what synced, where()) of every host
+    synchronisation of this (the main) thread, from any caller, torch included:
+
+    - each warning of torch.cuda.set_sync_debug_mode("warn"): blocking host-device copies, stream
+      and device syncs, and the syncs inside torch ops (nonzero, masked indexing, ...);
+    - each call of a SYNCING Tensor method on a tensor that is not on the CPU.
+
+    A sync inside a counted Tensor method counts once. torch.distributed's waits are not covered
+    (the documented limit of the debug mode); threads other than this one (the batch prefetcher)
+    do not hold up the step's queue from the host and are left out."""
+    calls: list[tuple[str, str, object]] = []
+    main = threading.get_ident()
+    inside = threading.local()
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
+
+    def record(via: str, stack: traceback.StackSummary) -> None:
+        if threading.get_ident() == main:
+            calls.append((_innermost_package_frame(stack), via, where()))
+
+    def wrap(name, original):
+        def counted(self, *args, **kwargs):
+            if self.device.type == "cpu" or getattr(inside, "depth", 0):
+                return original(self, *args, **kwargs)
+            caller = sys._getframe(1)
+            record(f"Tensor.{name} at {Path(caller.f_code.co_filename).name}:{caller.f_lineno}",
+                   traceback.extract_stack(caller))
+            inside.depth = 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                inside.depth = 0
+        return counted
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        if not getattr(inside, "depth", 0):
+            record(f"sync-debug warning at {Path(filename).name}:{lineno}", traceback.extract_stack()[:-1])
+
+    previous_mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():  # restores the filters and showwarning
+        shown = warnings.showwarning
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")  # every call, not once per line
+        warnings.showwarning = show
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, wrap(name, original))
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield calls
+        finally:
+            torch.cuda.set_sync_debug_mode(previous_mode)
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+
+
+COUNTERS = {"ddptrain": host_syncs, "cuda": device_syncs}
+"""What a helper below counts: ddptrain's own reads (any device), or every host sync (CUDA)."""
+
+
+def _cuda_env() -> dict:
+    """The ranks see the GPUs this process sees (run_distributed hides them otherwise)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+    return {"CUDA_VISIBLE_DEVICES": visible}
+
+
+def _cuda_world_size() -> int:
+    return min(2, torch.cuda.device_count())  # NCCL takes one GPU per rank
+
+
+def _unread_engine_steps(counter: str = "ddptrain"):
+    count = COUNTERS[counter]
     model = tiny_gpt(torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     engine = ddptrain.Engine(model, optimizer, "ddp", grad_clip=1.0, nonfinite="skip")
     rank = ddptrain.get_rank()
+    poisoned = ddptrain.get_world_size() - 1  # rank 1 of 2 (a world of one on a single GPU: rank 0)
     steps = [[microbatch(2, [12, 3 + rank], seed + rank), microbatch(1, [7], seed + 9)] for seed in range(4)]
-    engine.step(steps[0])  # warm-up: DDP builds its buckets
-    with host_syncs() as calls:
+    engine.step(steps[0])  # warm-up: DDP builds its buckets, the optimizer its state
+    with count() as calls:
         unread = [engine.step(mbs) for mbs in steps[1:]]
-    poison = engine.model.register_forward_hook(lambda module, args, out: out * float("nan") if rank == 1 else out)
-    with host_syncs() as nan_calls:
+    poison = engine.model.register_forward_hook(
+        lambda module, args, out: out * float("nan") if rank == poisoned else out)
+    with count() as nan_calls:
         nan_stats = engine.step(steps[0])
     poison.remove()
     return calls, nan_calls, [s.loss for s in unread], nan_stats.skipped, engine.skipped_steps
@@ -69,11 +173,24 @@ def test_unread_engine_steps_make_no_host_sync_and_a_nan_is_skipped_on_the_devic
     assert results[0][2] == results[1][2], "the losses, read later, are the same on every rank"
 
 
-def _trainer_loop(run_dir: str):
+@needs_cuda
+def test_unread_engine_steps_make_no_host_sync_on_cuda():
+    """The same steps on the GPU (NCCL ranks, one per GPU, at most 2), counting every sync of the
+    main thread, torch's own included: an unread step must not wait for the device anywhere."""
+    results = run_distributed(_unread_engine_steps, _cuda_world_size(), "cuda", env=_cuda_env())
+    for calls, nan_calls, losses, nan_skipped, skipped in results:
+        assert calls == [], f"host syncs in unread steps on CUDA (ddptrain line, what synced, -): {calls}"
+        assert nan_calls == [], f"host syncs in a step with a NaN on CUDA: {nan_calls}"
+        assert all(math.isfinite(loss) for loss in losses)
+        assert nan_skipped and skipped == 1, "every rank skips the NaN step"
+    assert all(result[2] == results[0][2] for result in results), "the same losses on every rank"
+
+
+def _trainer_loop(run_dir: str, counter: str = "ddptrain"):
     from hydra import compose, initialize_config_dir
 
-    from ddptrain.__main__ import CONFIG_PATH
-    from ddptrain.config.schema import register_configs
+    from ddptrain.config import CONFIG_PATH
+    from ddptrain.config import register_configs
     from ddptrain.distributed import init_distributed
     from ddptrain.train.trainer import Trainer
 
@@ -85,7 +202,7 @@ def _trainer_loop(run_dir: str):
     trainer = Trainer(cfg, init_distributed())
     try:
         trainer.build()
-        with host_syncs(where=lambda: trainer.step) as calls:
+        with COUNTERS[counter](where=lambda: trainer.step) as calls:
             trainer.fit()
     finally:
         trainer.close()
@@ -99,6 +216,36 @@ def test_the_trainer_reads_numbers_only_on_log_checkpoint_and_preemption_steps(t
     allowed = {4, 6, 8, 12}
     assert {step for _, _, step in calls} <= allowed, [call for call in calls if call[2] not in allowed]
     assert any(step == 6 for _, _, step in calls), "the counter must see the log step's reads"
+
+
+@pytest.mark.slow
+@needs_cuda
+def test_the_trainer_syncs_only_on_log_checkpoint_and_preemption_steps_on_cuda(tmp_path):
+    """The trainer loop on the GPU, every sync of rank 0's main thread counted (torch's included)."""
+    calls = run_distributed(_trainer_loop, _cuda_world_size(), str(tmp_path), "cuda", env=_cuda_env())[0]
+    # As above, plus step 0 (setup and the first step: DDP's bucket rebuild, the optimizer's state).
+    allowed = {0, 4, 6, 8, 12}
+    assert {step for _, _, step in calls} <= allowed, [call for call in calls if call[2] not in allowed]
+    assert any(step == 6 for _, _, step in calls), "the counter must see the log step's reads"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvidia-smi") is None,
+                    reason="scripts/gpu_check.sh needs an NVIDIA GPU and nvidia-smi")
+def test_gpu_check_script_runs_and_reports_throughput_and_host_syncs(tmp_path):
+    """scripts/gpu_check.sh as documented in its header, with fewer steps and a smaller microbatch:
+    the compiled bf16 GPT-2-small run on every GPU, its throughput table, and the sync-count run."""
+    env = {**os.environ, "STEPS": "20", "LOG_EVERY": "10", "SYNC_STEPS": "10", "MICRO": "4", "WORK": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # its `python` is ours
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=1700)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "after the first (compile) window: median" in result.stdout, output[-6000:]
+    assert "host syncs on rank 0 over 10 steps (log every 10):" in result.stdout, output[-6000:]
+    assert "syncs at lines that fire in every step:" in result.stdout, output[-6000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [10, 20]
 
 
 # -- fp16 -----------------------------------------------------------------------------------------

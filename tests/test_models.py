@@ -11,9 +11,9 @@ import torch
 
 import ddptrain
 from ddptrain.models.build import ModelError
-from tests.helpers import TINY_RUN, read_metrics, run_cli
+from tests.helpers import TINY_RUN, import_deepspeed, import_optional, read_metrics, run_cli
 
-transformers = pytest.importorskip("transformers")
+transformers = import_optional("transformers")
 
 RUN = ["data.max_docs=40", "trainer.log_every=1", "optim.warmup_steps=2", "trainer.eval_examples=8",
        "batch.seq_len=64", "batch.global_size=8"]
@@ -129,7 +129,7 @@ def test_a_packed_hf_model_keeps_the_loss_curve_over_layouts(tmp_path):
 
 @pytest.mark.slow
 def test_fine_tuning_starts_from_the_saved_weights(tmp_path):
-    from ddptrain.config.schema import DataConfig
+    from ddptrain.config import DataConfig
     from ddptrain.data import TrainBatches, load_splits
     from ddptrain.engine.objective import token_loss_sum
 
@@ -159,7 +159,7 @@ def test_fine_tuning_starts_from_the_saved_weights(tmp_path):
 
 @pytest.mark.slow
 def test_the_model_directory_tokenizer_is_used_and_saved(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = import_optional("tokenizers")
     llama = _llama_dir(tmp_path / "llama")
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -245,7 +245,7 @@ def test_load_model_falls_back_to_the_newest_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_zero3_on_two_ranks_leaves_final_weights_that_load_model_reads(tmp_path):
-    pytest.importorskip("deepspeed")
+    import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     run_dir = tmp_path / "run"

@@ -1,10 +1,15 @@
-"""The README and docs/: the two commands CI runs, every command either tested or listed as not run,
-links that resolve, and the "Your own model" example run as written."""
+"""The README and docs/: the two commands CI runs, every command either run by the test named for it
+(checked in that test's source) or listed as not run, links that resolve, and the "Your own model"
+example run as written."""
 
 from __future__ import annotations
 
+import ast
+import functools
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -147,10 +152,207 @@ def test_every_command_shown_is_run_by_a_test_or_listed_as_not_run():
     for command, where in COMMANDS.items():
         if where.startswith("not run: "):
             continue
-        test_file, _, rest = where.partition("::")
-        name = rest.split()[0]
+        test_file, name = _named_test(where)
         assert (REPO / test_file).is_file() and f"def {name}(" in (REPO / test_file).read_text(), \
             f"{command!r}: {where} is not a test"
+
+
+# -- does the named test run its command? ---------------------------------------------------------------
+# The tests in this file run the README's own text (RUN_VERBATIM). For the others, the test's source
+# (with every definition of its module and of tests/*.py modules that it reaches by name: fixtures,
+# helpers such as run_cli, constants) must pass each of the command's distinctive words
+# (_command_tokens) as a string: a test that runs a different module, another strategy, or leaves an
+# option out is caught. What a named test does not pass is listed in UNTESTED with the reason, so
+# each gap is written down, and the list must stay exact: a gap that closes fails until removed.
+
+RUN_VERBATIM = {
+    "test_own_model_example_runs_as_written": lambda: _own_model_example()[1],
+    "test_ci_runs_exactly_the_readme_test_command": lambda: [_readme_commands()[1]],  # .ci/run runs that line
+}
+"""Tests of this file that take their commands from README.md itself: name -> the commands they run."""
+
+UNTESTED = {
+    "python -m ddptrain data=text 'data.paths=[corpus/**/*.txt]' data.split_by=paragraph": {
+        "data.split_by=": "the CLI test splits by file (the default); test_text_paragraphs_are_documents checks "
+                          "split_by=paragraph through load_splits, not the command line",
+    },
+    "python -m ddptrain data=jsonl 'data.paths=[shards/*.jsonl]' data.field=text data.tokenizer=tokenizer.json": {
+        "data.field=": "the CLI test's JSONL rows use the default field (text)",
+        "data.tokenizer=": "the CLI test trains on byte tokens; a tokenizer.json is tested through load_splits "
+                           "(test_hf_tokenizer_sets_the_vocabulary_and_undecodable_bytes_follow_the_policy)",
+    },
+    "python -m ddptrain data=tokens 'data.paths=[train.bin]' 'data.val_paths=[val.bin]' data.eod_token=50256 "
+    "data.vocab_size=50304": {
+        "data.val_paths=": "the CLI test's token corpus has no separate validation file",
+    },
+    "python -m ddptrain data=hf 'data.paths=[my_saved_dataset]' data.field=text": {
+        "data.field=": "the CLI test's rows use the default field (text), from a JSONL file; a saved dataset "
+                       "directory is loaded through load_splits "
+                       "(test_hf_datasets_from_local_files_and_a_saved_directory)",
+    },
+    "python -m ddptrain.plot runs/a runs/b -o loss.png --labels A B": {
+        "--labels": "the CLI run passes no --labels; the test passes labels to make_figure() in-process",
+    },
+    "DDPTRAIN_NPROC_PER_NODE=2 sbatch --wait launch/single_node.sbatch trainer.max_steps=50": {
+        "--wait": "the test polls `scontrol show job` (faster, see tests/test_slurm.py's docstring); the bad-override "
+                  "tests use sbatch --wait",
+    },
+    "sbatch --wait launch/multi_node.sbatch trainer.max_steps=50": {
+        "--wait": "the test polls `scontrol show job` (faster, see tests/test_slurm.py's docstring)",
+    },
+    "python -m ddptrain strategy=zero1": {
+        "strategy=zero1": "the named test runs strategy=zero2 in a world of one (zero1 runs on 2 ranks in "
+                          "test_zero_loss_curve_matches_ddp)",
+    },
+    "python ckpt/zero_to_fp32.py ckpt consolidated/ --tag zero": {
+        "zero_to_fp32.py": "the test calls the script's function, deepspeed.utils.zero_to_fp32."
+                           "get_fp32_state_dict_from_zero_checkpoint",
+        "--tag": "passed to that function as tag='zero'",
+    },
+    "python -m ddptrain.verify batch.micro_size=2": {
+        "ddptrain.verify": "the test calls ddptrain.verify.main([...]) in-process, not `python -m ddptrain.verify`",
+    },
+}
+"""Tested commands -> the distinctive words that their named test does not pass, and why."""
+
+
+def _named_test(where: str) -> tuple[str, str]:
+    """'tests/FILE.py::TEST (comment)' -> ('tests/FILE.py', 'TEST')."""
+    test_file, _, rest = where.partition("::")
+    return test_file, rest.split()[0]
+
+
+def _command_tokens(command: str) -> list[str]:
+    """The words a test must pass to run `command`: its program (the module of `-m`, a script's file
+    name, or the tool), option names, config overrides (`key=` whatever the value; `group=choice` for a
+    config group, where the choice is the point) and leading environment variables. Paths, sizes and
+    other values may differ: tests run smaller. For curl: the endpoint and the JSON body's keys."""
+    words = shlex.split(command)
+    tokens = []
+    while re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        tokens.append(words.pop(0).partition("=")[0])
+    if words[0] == "sudo":
+        words.pop(0)
+    program = words.pop(0)
+    if program == "curl":
+        url = next(word for word in words if "://" in word or word.startswith("localhost"))
+        return ["/" + url.split("://")[-1].split("/", 1)[1], *json.loads(words[words.index("-d") + 1])]
+    if program in ("python", "bash"):
+        if words[0] not in ("-m", "-c"):
+            tokens.append(Path(words.pop(0)).name)  # the script
+    else:
+        tokens.append(program)  # torchrun, sbatch, docker
+        if program == "docker":
+            tokens.append(words.pop(0))  # its subcommand
+    previous = ""
+    for word in words:
+        if previous in ("-m", "-c"):
+            tokens.append(word)
+        elif word in ("-m", "-c"):
+            pass  # the module or code that follows is the token
+        elif word.startswith("-"):
+            tokens.append(word.partition("=")[0])
+        elif "=" in word:
+            key, _, value = word.partition("=")
+            tokens.append(f"{key}=" if "." in key else word)
+        elif program == "bash":
+            tokens.append(word)  # a script's subcommand (local_cluster.sh stop)
+        previous = word
+    return tokens
+
+
+@functools.lru_cache(maxsize=None)
+def _module_index(path: Path) -> tuple[dict, dict]:
+    """A test module's top-level definitions (name -> (source with decorators, names it uses)) and
+    the names it imports from tests.* modules (name -> (path, name there))."""
+    source = path.read_text()
+    definitions, imports = {}, {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+            for alias in node.names:
+                imports[alias.asname or alias.name] = (REPO / (node.module.replace(".", "/") + ".py"), alias.name)
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)]
+        else:
+            continue
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        text = "\n".join(source.splitlines()[first - 1:node.end_lineno])
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        used |= {a.arg for n in ast.walk(node) if isinstance(n, ast.arguments)  # fixtures it requests
+                 for a in n.posonlyargs + n.args + n.kwonlyargs}
+        for name in names:
+            definitions[name] = (text, used - {name})
+    return definitions, imports
+
+
+def _reachable_source(path: Path, name: str) -> str:
+    """The source of `name` in the test module `path` and of every definition it reaches by name."""
+    pieces, seen, todo = [], set(), [(path, name)]
+    while todo:
+        key = todo.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        definitions, imports = _module_index(key[0])
+        if key[1] in imports:
+            todo.append(imports[key[1]])
+        elif key[1] in definitions:
+            text, used = definitions[key[1]]
+            pieces.append(text)
+            todo.extend((key[0], other) for other in used)
+    return "\n".join(pieces)
+
+
+def _passes(token: str, source: str) -> bool:
+    """Whether `source` holds `token` as (the start of) a string literal: "-m", "ddptrain.export",
+    f"data.paths=[{...}]", f"--nproc_per_node={nproc}"; a URL path may sit anywhere in a string."""
+    if token == "torchrun":  # tests start it as `python -m torch.distributed.run`
+        return _passes("torch.distributed.run", source) or _passes("torchrun", source)
+    if token.startswith("/"):
+        return token in source
+    end = "" if token.endswith("=") else r"(?=[\"'=\s{])"
+    return re.search(rf"(?<=[\"']){re.escape(token)}{end}", source) is not None
+
+
+def test_each_named_test_runs_its_command():
+    wrong = []
+    for command, where in COMMANDS.items():
+        if where.startswith("not run: "):
+            continue
+        test_file, name = _named_test(where)
+        if test_file == "tests/test_readme.py":
+            assert name in RUN_VERBATIM, f"{name} is in this file but not in RUN_VERBATIM"
+            if command not in RUN_VERBATIM[name]():
+                wrong.append(f"{command!r}: {name} does not take it from README.md")
+            continue
+        source = _reachable_source(REPO / test_file, name)
+        missing = {token for token in _command_tokens(command) if not _passes(token, source)}
+        listed = set(UNTESTED.get(command, {}))
+        if missing != listed:
+            wrong.append(f"{command!r} -> {where}: passes none of {sorted(missing - listed)}"
+                         + (f"; UNTESTED lists {sorted(listed - missing)}, which it does pass" if listed - missing
+                            else ""))
+    stale = sorted(set(UNTESTED) - {c for c, w in COMMANDS.items() if not w.startswith("not run: ")})
+    assert not wrong and not stale, ("named tests that do not run their command (pass the words, or list the gap "
+                                     "in UNTESTED with why):\n" + "\n".join(wrong) + f"\nstale UNTESTED: {stale}")
+
+
+def test_command_tokens_keep_what_identifies_a_command():
+    assert _command_tokens("torchrun --standalone --nproc_per_node=2 -m ddptrain.verify batch.micro_size=2") == \
+        ["torchrun", "--standalone", "--nproc_per_node", "ddptrain.verify", "batch.micro_size="]
+    assert _command_tokens("DDPTRAIN_NPROC_PER_NODE=2 sbatch --wait launch/single_node.sbatch trainer.max_steps=50") \
+        == ["DDPTRAIN_NPROC_PER_NODE", "sbatch", "--wait", "trainer.max_steps="]
+    assert _command_tokens("python -m ddptrain model=custom +model.width=96 run.dir=runs/mine") == \
+        ["ddptrain", "model=custom", "+model.width=", "run.dir="]
+    assert _command_tokens("sudo bash launch/local_cluster.sh stop") == ["local_cluster.sh", "stop"]
+    assert _command_tokens("docker build -f docker/Dockerfile -t ddptrain .") == ["docker", "build", "-f", "-t"]
+    source = 'run([sys.executable, "-m", "ddptrain.export", out]); f"--nproc_per_node={n}"; "data.paths=[x]"'
+    assert _passes("ddptrain.export", source) and _passes("--nproc_per_node", source) and _passes("data.paths=", source)
+    assert not _passes("ddptrain", source), "a module's name inside a longer one is not that module"
 
 
 def test_commands_are_in_fenced_bash_blocks():

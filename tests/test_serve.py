@@ -21,17 +21,18 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
+from tests.helpers import REPO, import_optional, run_cli
+
+import_optional("transformers")
+import_optional("fastapi")
+import_optional("uvicorn")
+httpx = import_optional("httpx")
 
 import ddptrain  # noqa: E402
 from ddptrain.serving.generate import SEPARATOR, Generator, SamplingParams, _draw  # noqa: E402
 from ddptrain.serving.server import build_app  # noqa: E402
 from ddptrain.serving.servable import MARKER, byte_tokenizer, servable_dir  # noqa: E402
 from ddptrain.testing import free_port  # noqa: E402
-from tests.helpers import REPO, run_cli  # noqa: E402
 
 CONTEXT = 64
 # Long enough to predict more than one repeated character greedily; ~10 s on one CPU core.

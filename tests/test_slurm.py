@@ -12,7 +12,6 @@ Training jobs are awaited by polling `scontrol show job` every half second rathe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -209,10 +208,6 @@ def test_bad_override_fails_fast_with_hydra_message(slurm_env, tmp_path, templat
     assert "Could not override 'trainer.max_stepz'" in batch_log, output
 
 
-def _has_checkpointing() -> bool:
-    return importlib.util.find_spec("ddptrain.train.checkpoint") is not None
-
-
 PREEMPT_STEPS = 400  # long enough to signal mid-run, short enough to finish in seconds
 
 
@@ -226,9 +221,6 @@ def final_model_state(run_dir: Path) -> tuple[int, dict]:
     return state["step"], torch.load(latest / "strategy" / "model.pt", weights_only=True)
 
 
-@pytest.mark.skipif(not _has_checkpointing(),
-                    reason="the trainer has no checkpointing yet (ddptrain/checkpoint.py): nothing "
-                           "to save on SIGUSR1 or resume after the requeue")
 @pytest.mark.parametrize(
     ("template", "nproc_per_node"),
     [("single_node.sbatch", "2"), ("multi_node.sbatch", "1")],

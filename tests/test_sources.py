@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from ddptrain.config.schema import ConfigError, DataConfig, TrainConfig, validate
+from ddptrain.config import ConfigError, DataConfig, TrainConfig, validate
 from ddptrain.data import DataError, load_splits
 from ddptrain.data import cache as cache_module
 from ddptrain.data import sources
 from ddptrain.data.dataset import TokenExamples
-from tests.helpers import TINY_RUN, read_metrics, run_cli
+from tests.helpers import TINY_RUN, import_optional, read_metrics, run_cli
 
 SEQ_LEN = 16
 
@@ -125,7 +125,7 @@ def test_from_token_array_cuts_like_from_documents():
 # -- tokenizers and optional sources ---------------------------------------------------------------
 
 def _hf_tokenizer(tmp_path, texts) -> str:
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = import_optional("tokenizers")
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"]))
@@ -149,7 +149,7 @@ def test_hf_tokenizer_sets_the_vocabulary_and_undecodable_bytes_follow_the_polic
 
 
 def test_hf_datasets_from_local_files_and_a_saved_directory(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = import_optional("datasets")
     rows = [{"body": f"row {i} " * 5} for i in range(30)]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -332,7 +332,7 @@ def _token_corpus(tmp_path):
 
 
 def _hf_corpus(tmp_path):
-    pytest.importorskip("datasets")
+    import_optional("datasets")
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"text": f"row {i} " * (i % 7 + 3)}) + "\n" for i in range(60)))
     return ["data=hf", f"data.paths=[{path}]"]

@@ -10,15 +10,9 @@ import torch
 
 import ddptrain
 from ddptrain.testing import run_distributed
-from tests.helpers import TINY_RUN, read_metrics, relative_difference, run_cli, tiny_gpt
+from tests.helpers import (TINY_RUN, import_deepspeed, read_metrics, relative_difference, requires_deepspeed, run_cli,
+                           tiny_gpt)
 from tests.test_engine import CASES, all_microbatches, case_microbatches, reference_step, update
-
-try:
-    import deepspeed  # noqa: F401
-
-    HAS_DEEPSPEED = True
-except Exception:
-    HAS_DEEPSPEED = False
 
 RAGGED = "ragged_with_empty_microbatch"  # rank 1 holds one microbatch fewer than rank 0
 
@@ -80,8 +74,8 @@ def test_fsdp_clips_by_the_global_norm_of_sharded_gradients():
                                       pytest.param("zero2", marks=pytest.mark.slow),
                                       pytest.param("zero3", marks=pytest.mark.slow)])
 def test_ranks_with_one_microbatch_fewer_equal_one_process_in_fp32(strategy):
-    if strategy.startswith("zero") and not HAS_DEEPSPEED:
-        pytest.skip("DeepSpeed is not installed (pip install 'ddptrain[deepspeed]')")
+    if strategy.startswith("zero"):
+        import_deepspeed()  # skips only when DeepSpeed is not installed
     results = run_distributed(_step, 2, strategy, RAGGED, "fp32")
     _check_against_reference(results, RAGGED, 2e-5)
     fillers = [stats.filler_microbatches for stats, _, _ in results]
@@ -142,7 +136,7 @@ def test_fsdp_layouts_give_the_same_loss_curve_in_fp64(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (pip install 'ddptrain[deepspeed]')")
+@requires_deepspeed
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_token_budgets_and_packing_run_under_zero(tmp_path, strategy):
     curves = {"ddp budget": _curve(tmp_path, "ddp", 2, ["batch.micro_tokens=160"]),
@@ -185,7 +179,7 @@ def test_fsdp_resumes_bitwise_and_reshards_from_two_ranks_to_one(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (pip install 'ddptrain[deepspeed]')")
+@requires_deepspeed
 def test_a_zero_checkpoint_on_another_world_size_is_a_clear_error(tmp_path):
     args = [*TINY_RUN, "strategy=zero2", "batch.global_size=8", "batch.seq_len=64", "batch.micro_size=2",
             f"run.dir={tmp_path}"]

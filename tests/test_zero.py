@@ -19,18 +19,10 @@ import torch
 import ddptrain
 from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
 from ddptrain.testing import run_distributed
-from tests.helpers import TINY_RUN, microbatch, read_metrics, relative_difference, run_cli, tiny_gpt
+from tests.helpers import (TINY_RUN, microbatch, read_metrics, relative_difference, requires_deepspeed, run_cli,
+                           tiny_gpt)
 from tests.test_engine import CASES as DDP_CASES
 from tests.test_engine import reference_step, update
-
-try:
-    import deepspeed  # noqa: F401
-
-    HAS_DEEPSPEED = True
-except Exception:  # not installed, or broken: the ZeRO tests cannot run
-    HAS_DEEPSPEED = False
-
-needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (pip install 'ddptrain[deepspeed]')")
 
 # rank -> microbatches (rows, valid targets per row, seed): the same NUMBER on each rank (ZeRO 2/3
 # communicate in every microbatch), very different valid-token counts, one microbatch without any.
@@ -112,7 +104,7 @@ def _reference_norm(microbatches) -> float:
     return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
 
 
-@needs_deepspeed
+@requires_deepspeed
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_step_equals_one_process_on_global_mean_token_loss(stage_runs, stage):
     results, _ = stage_runs(stage)
@@ -132,7 +124,7 @@ def test_zero_step_equals_one_process_on_global_mean_token_loss(stage_runs, stag
     assert all(torch.equal(results[0]["weights"][k], results[1]["weights"][k]) for k in ref_params)
 
 
-@needs_deepspeed
+@requires_deepspeed
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_nonfinite_gradient_is_skipped(stage_runs, stage):
     results, _ = stage_runs(stage)
@@ -143,7 +135,7 @@ def test_zero_nonfinite_gradient_is_skipped(stage_runs, stage):
         assert not out["next"].skipped and math.isfinite(out["next"].loss) and out["next"].loss < out["stats"].loss
 
 
-@needs_deepspeed
+@requires_deepspeed
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_ranks_with_different_microbatch_counts(stage_runs, stage):
     results, _ = stage_runs(stage)
@@ -159,7 +151,7 @@ def test_zero_ranks_with_different_microbatch_counts(stage_runs, stage):
         assert "sharded over ranks" in out["state_dict_error"]
 
 
-@needs_deepspeed
+@requires_deepspeed
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_checkpoint_converts_to_the_model_state_dict(stage_runs, stage):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -214,7 +206,7 @@ def test_ddptrain_imports_without_deepspeed():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-@needs_deepspeed
+@requires_deepspeed
 def test_zero_rejects_fp64():
     model = tiny_gpt(torch.float64)
     with pytest.raises(ValueError, match="trainer.precision=fp64 is not supported by strategy=zero1"):
@@ -253,7 +245,7 @@ def _assert_same_curve(curve: list[dict], reference: list[dict], tolerance: floa
     assert math.isclose(curve[-1]["val_loss"], reference[-1]["val_loss"], rel_tol=tolerance), label
 
 
-@needs_deepspeed
+@requires_deepspeed
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_zero_loss_curve_matches_ddp(cli_curves, strategy):
@@ -264,7 +256,7 @@ def test_zero_loss_curve_matches_ddp(cli_curves, strategy):
     _assert_same_curve(cli_curves(strategy, 2), reference, 1e-4, strategy)
 
 
-@needs_deepspeed
+@requires_deepspeed
 @pytest.mark.slow
 def test_zero2_one_rank_accumulation_4_equals_two_ranks_accumulation_2(cli_curves):
     _assert_same_curve(cli_curves("zero2", 1), cli_curves("zero2", 2), 1e-4, "zero2 1x4 vs 2x2")
