@@ -295,3 +295,12 @@ def test_architecture_page_draws_no_module_that_does_not_exist():
     modules = {_relative(path) for path in _modules().values()}
     extra = sorted(drawn_modules() - modules)
     assert not extra, f"docs/architecture.md draws module(s) that ddptrain/ does not have: {', '.join(extra)}"
+
+
+def test_pyproject_ships_every_sub_package():
+    """The wheel (and so the Docker image) carries a sub-package only when pyproject.toml lists it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {".".join(path.parent.relative_to(REPO).parts) for path in PACKAGE.rglob("__init__.py")}
+    assert packages - listed == set(), f"pyproject.toml's [tool.setuptools] packages misses {sorted(packages - listed)}"

@@ -133,9 +133,6 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return step == self.last_step or bool(self.every and step % self.every == 0)
 
-    def maybe_save(self, step: int, engine: Engine, trainer_state: Callable[[], dict]) -> Path | None:
-        return self.save(step, engine, trainer_state) if self.should_save(step) else None
-
     def save(self, step: int, engine: Engine, trainer_state: Callable[[], dict]) -> Path:
         """Collective. Non-finite weights are refused by Engine.save (the last good checkpoint stays);
         an error on any rank (non-finite weights, a full disk) fails every rank at once."""

@@ -132,14 +132,16 @@ class Trainer:
                 self.state.step += 1
                 step = self.step
                 self._unread.append((step, stats))
-                due = self.evaluator.should_run(step), self.metrics.should_log(step), self.checkpointer.should_save(step)
-                if any(due):
-                    self._read_steps()
-                self.metrics.step_done(step, stats.loss if any(due) else None)
-                val_loss = self.evaluator.run(self.engine) if due[0] else None
-                if due[1]:
+                evaluate, log_line = self.evaluator.should_run(step), self.metrics.should_log(step)
+                save = self.checkpointer.should_save(step)
+                if evaluate or log_line or save:
+                    self._read_steps()  # waits for the device: only on the steps someone reads
+                self.metrics.step_done(step, stats.loss if evaluate or log_line or save else None)
+                val_loss = self.evaluator.run(self.engine) if evaluate else None
+                if log_line:
                     self._log_step(stats, lr, val_loss)
-                self.checkpointer.maybe_save(step, self.engine, self.trainer_state)
+                if save:
+                    self.checkpointer.save(step, self.engine, self.trainer_state)
                 if step == last:
                     self._save_final()
                 elif self.preemption.should_stop_at(step):
