@@ -187,3 +187,37 @@ def test_a_zero_checkpoint_on_another_world_size_is_a_clear_error(tmp_path):
     result = run_cli([*args, "trainer.max_steps=3", "batch.micro_size=4"], nproc=1)
     assert result.returncode != 0
     assert "a zero2 checkpoint written on 2 ranks cannot be resumed on 1" in result.stderr, result.stderr[-3000:]
+
+
+def _save_with_a_nan_on_rank_one(strategy: str, directory: str):
+    """One step, then a NaN in rank 1's own part of one weight (its shard, where sharded), then a save."""
+    import os
+
+    model = tiny_gpt(torch.float32)
+    engine = ddptrain.Engine(model, torch.optim.SGD(model.parameters(), lr=1.0), strategy,
+                             strategy_options={"micro_batch_size": 3, "grad_accum_steps": 3}
+                             if strategy.startswith("zero") else None)
+    engine.step(case_microbatches(RAGGED, ddptrain.get_rank()))
+    if ddptrain.get_rank() == 1:
+        with torch.no_grad():
+            param = next(p for p in engine.strategy.model.parameters() if engine.strategy.local_tensor(p).numel())
+            engine.strategy.local_tensor(param).view(-1)[0] = float("nan")
+    target = os.path.join(directory, f"rank{ddptrain.get_rank()}")
+    try:
+        engine.save(target)
+    except FloatingPointError as error:
+        return str(error), os.path.exists(target)
+    return None, os.path.exists(target)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero2", marks=pytest.mark.slow),
+                                      pytest.param("zero3", marks=pytest.mark.slow)])
+def test_non_finite_weights_are_refused_at_save_on_every_rank(strategy, tmp_path):
+    """The check runs on each rank's own weights (ZeRO-3 and FSDP shards too), so a NaN that only rank 1
+    holds stops the save on both ranks before anything is written."""
+    if strategy.startswith("zero"):
+        import_deepspeed()
+    results = run_distributed(_save_with_a_nan_on_rank_one, 2, strategy, str(tmp_path))
+    for rank, (error, written) in enumerate(results):
+        assert error is not None and "are not finite" in error and "previous one is kept" in error, (rank, error)
+        assert not written, f"rank {rank} wrote {tmp_path}/rank{rank} although a weight is NaN"
