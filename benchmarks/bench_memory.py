@@ -7,6 +7,11 @@ optimizer state (Adam's exp_avg and exp_avg_sq). ZeRO-1 should hold
 about 1/world_size of DDP's optimizer state, ZeRO-3 also about 1/world_size of the weights.
 (ZeRO-2's gradient partitioning lives in DeepSpeed's internal buffers and is not counted here.)
 Needs DeepSpeed for the zero rows.
+
+With `--lora-r R` (default 8; 0: none) every strategy also gets a `+lora` row: peft's LoRA of rank R
+on the same GPT's attention and MLP projections (what model.lora's `all-linear` adapts in a
+transformers model), the base frozen, so the optimizer state and the gradients are the adapter's.
+Needs peft for those rows.
 """
 
 from __future__ import annotations
@@ -31,13 +36,28 @@ def _tensor_bytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors if torch.is_tensor(t))
 
 
-def _measure(strategy: str, n_layer: int, n_embd: int, seq_len: int) -> dict:
+LORA_SUFFIX = "+lora"
+GPT_LINEAR = ["qkv", "proj", "fc"]
+"""The GPT's attention and MLP projections (not the head): the modules LoRA adapts here."""
+
+
+def _lora(model, rank: int):
+    """peft's LoRA of `rank` on the GPT's projections; every other parameter frozen."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=GPT_LINEAR))
+
+
+def _measure(row: str, n_layer: int, n_embd: int, seq_len: int, lora_r: int) -> dict:
     import ddptrain
     from ddptrain.models import GPT, GPTConfig
 
+    strategy = row.removesuffix(LORA_SUFFIX)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, max_seq_len=seq_len, n_layer=n_layer, n_head=4, n_embd=n_embd))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if row.endswith(LORA_SUFFIX):
+        model = _lora(model, lora_r)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     options = {"micro_batch_size": 2, "grad_accum_steps": 1} if strategy.startswith("zero") else {}
     engine = ddptrain.Engine(model, optimizer, strategy, strategy_options=options)
     module = getattr(engine.model, "module", engine.model)  # DDP and DeepSpeed wrap; FSDP2 shards in place
@@ -57,9 +77,10 @@ def _measure(strategy: str, n_layer: int, n_embd: int, seq_len: int) -> dict:
     weights = _tensor_bytes(p for p in module.parameters())
     # DeepSpeed keeps gradient partitions in its own buffers and frees .grad in its step: not counted.
     grads = None if strategy.startswith("zero") else gradients[-1]
-    return {"strategy": strategy, "rank": ddptrain.get_rank(), "optimizer_state": state, "weights": weights,
-            "gradients": grads,
-            "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else _numel(p) for p in module.parameters())}
+    counts = [(p.ds_numel if hasattr(p, "ds_numel") else _numel(p), p.requires_grad) for p in module.parameters()]
+    return {"strategy": row, "rank": ddptrain.get_rank(), "optimizer_state": state, "weights": weights,
+            "gradients": grads, "parameters": sum(n for n, _ in counts),
+            "trainable": sum(n for n, trains in counts if trains)}
 
 
 def _numel(param) -> int:
@@ -68,8 +89,8 @@ def _numel(param) -> int:
     return param.full_tensor().numel() if isinstance(param, DTensor) else param.numel()
 
 
-def _measure_all(strategies: tuple[str, ...], n_layer: int, n_embd: int, seq_len: int) -> list[dict]:
-    return [_measure(name, n_layer, n_embd, seq_len) for name in strategies]
+def _measure_all(rows: tuple[str, ...], n_layer: int, n_embd: int, seq_len: int, lora_r: int) -> list[dict]:
+    return [_measure(name, n_layer, n_embd, seq_len, lora_r) for name in rows]
 
 
 def _mib(count: int) -> str:
@@ -83,17 +104,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--lora-r", type=int, default=8, help="rank of the +lora rows (0: no LoRA rows)")
     args = parser.parse_args(argv)
 
     from ddptrain.testing import run_distributed
 
     strategies = tuple(args.strategies.split(","))
-    results = run_distributed(_measure_all, args.world_size, strategies, args.n_layer, args.n_embd, args.seq_len,
-                              timeout_s=900)
+    rows = strategies + (tuple(name + LORA_SUFFIX for name in strategies) if args.lora_r > 0 else ())
+    results = run_distributed(_measure_all, args.world_size, rows, args.n_layer, args.n_embd, args.seq_len,
+                              args.lora_r, timeout_s=900)
     ddp = {r: rows[0] for r, rows in enumerate(results)} if strategies[0] == "ddp" else None
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd}: {results[0][0]['parameters']:,} parameters (fp32), "
           f"AdamW, {args.world_size} ranks; MiB held per rank")
-    print(f"{'strategy':8} {'rank':>4} {'weights':>9} {'vs ddp':>7} {'grads':>9} {'vs ddp':>7} "
+    print(f"{'strategy':10} {'rank':>4} {'weights':>9} {'vs ddp':>7} {'grads':>9} {'vs ddp':>7} "
           f"{'opt state':>10} {'vs ddp':>7}")
 
     def ratio(row, rank, key):
@@ -104,10 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     for rank, rows in enumerate(results):
         for row in rows:
             grads = _mib(row["gradients"]) if row["gradients"] is not None else "      n/a"
-            print(f"{row['strategy']:8} {rank:>4} {_mib(row['weights']):>9} {ratio(row, rank, 'weights')} "
+            print(f"{row['strategy']:10} {rank:>4} {_mib(row['weights']):>9} {ratio(row, rank, 'weights')} "
                   f"{grads:>9} {ratio(row, rank, 'gradients')} {_mib(row['optimizer_state']):>10} "
                   f"{ratio(row, rank, 'optimizer_state')}")
     print("n/a: DeepSpeed keeps gradient partitions in its internal buffers, not in .grad")
+    lora = next((row for row in results[0] if row["strategy"].endswith(LORA_SUFFIX)), None)
+    if lora is not None:
+        print(f"+lora: peft LoRA r={args.lora_r} on {', '.join(GPT_LINEAR)}; {lora['trainable']:,} of "
+              f"{lora['parameters']:,} parameters train (vs ddp: against full fine-tuning with ddp)")
 
 
 if __name__ == "__main__":

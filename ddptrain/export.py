@@ -1,8 +1,11 @@
-"""`python -m ddptrain.export RUN_DIR OUT_DIR`: a run's trained weights as a Hugging Face model
+"""`python -m ddptrain.export RUN_DIR OUT_DIR [--merge]`: a run's trained weights as a Hugging Face model
 directory (`AutoModelForCausalLM.from_pretrained(OUT_DIR)`), with the run's tokenizer files if any.
 
 The built-in GPT becomes a GPT2LMHeadModel with the same logits (ddptrain.models.convert); a model=hf
-run's PreTrainedModel is saved as it is. The directory appears under its name only when complete."""
+run's PreTrainedModel is saved as it is. A LoRA run (model.lora) exports its PEFT adapter directory
+(`peft.PeftModel.from_pretrained(base, OUT_DIR)`), or with `--merge` the base with the adapter
+folded into its weights: a plain save_pretrained directory (other runs export the same with or
+without `--merge`). The directory appears under its name only when complete."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 from torch import nn
 
 import ddptrain
-from ddptrain.models import GPT
+from ddptrain.models import GPT, lora
 from ddptrain.models.hf import TOKENIZER_FILES
 from ddptrain.models.spec import ModelError
 from ddptrain.train.checkpoint import CheckpointError
@@ -26,15 +29,20 @@ class ExportError(RuntimeError):
     """The run cannot be exported as asked; the message names the path or model class."""
 
 
-def export(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write the run's model (final weights, else the newest checkpoint's) to `out_dir`; return it."""
+def export(run_dir: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
+    """Write the run's model (final weights, else the newest checkpoint's) to `out_dir`; return it.
+    `merge`: a LoRA run's adapter folded into the base weights (else its adapter directory); a run
+    that trained every weight exports the same with or without it."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist")
     if out_dir.exists() and not _is_empty_dir(out_dir):
         raise ExportError(f"output directory {out_dir} already exists and is not empty; pick a new path")
     model = ddptrain.load_model(run_dir)
-    hf_model = _to_hf(model, run_dir)
+    if lora.is_adapted(model):
+        hf_model = lora.merge(model) if merge else model  # a PeftModel saves its adapter directory
+    else:  # `merge` has nothing to fold: the run trained every weight
+        hf_model = _to_hf(model, run_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # A sibling on the same filesystem, so the final rename is atomic and a failure leaves no OUT_DIR.
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
@@ -81,9 +89,12 @@ def main(argv: list[str] | None = None) -> None:
         description="Export a ddptrain run's weights as a Hugging Face model directory (from_pretrained).")
     parser.add_argument("run_dir", type=Path, help="the run's directory (run.dir)")
     parser.add_argument("out_dir", type=Path, help="a new or empty directory to write the model to")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA run: fold the adapter into the base weights (a plain transformers directory) "
+                             "instead of writing the PEFT adapter directory; other runs: no difference")
     args = parser.parse_args(argv)
     try:
-        out_dir = export(args.run_dir, args.out_dir)
+        out_dir = export(args.run_dir, args.out_dir, merge=args.merge)
     except (ExportError, FileNotFoundError, CheckpointError, ModelError) as error:
         print(f"export error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -39,6 +39,8 @@ COMMANDS = {
     "data.vocab_size=50304": "tests/test_sources.py::test_each_source_trains_through_the_cli",
     "python -m ddptrain data=hf 'data.paths=[my_saved_dataset]' data.field=text":
         "tests/test_sources.py::test_each_source_trains_through_the_cli",
+    "python -m ddptrain model=hf model.path=my_model data=sft 'data.paths=[chats.jsonl]'":
+        "tests/test_sft.py::test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume",
     "python -m ddptrain model=custom model._target_=my_models.build +model.width=96 run.dir=runs/mine "
     "trainer.max_steps=20 optim.decay_steps=40": "tests/test_readme.py::test_own_model_example_runs_as_written",
     "python -m ddptrain model=custom model._target_=my_models.build +model.width=96 run.dir=runs/mine "
@@ -47,6 +49,10 @@ COMMANDS = {
         "tests/test_readme.py::test_own_model_example_runs_as_written",
     "python -m ddptrain.export runs/default exported/":
         "tests/test_export.py::test_exported_run_matches_load_model_end_to_end",
+    "python -m ddptrain model=hf model.path=my_model model.lora.r=16 data=sft 'data.paths=[chats.jsonl]'":
+        "tests/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
+    "python -m ddptrain.export runs/default merged/ --merge":
+        "tests/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
     "python -m benchmarks.bench": "tests/test_benchmarks.py::test_engine_throughput_benchmark_runs_on_two_ranks",
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
@@ -92,6 +98,12 @@ COMMANDS = {
     "curl -s localhost:8000/v1/completions -H 'content-type: application/json' "
     "-d '{\"prompt\": \"def main(\", \"max_tokens\": 64, \"temperature\": 0}'":
         "tests/test_serve.py::test_serve_cli_serves_a_run_directory (the same request, through httpx)",
+    "python -m ddptrain.serve runs/chat --port 8000":
+        "tests/test_serve.py::test_serve_cli_answers_chat_with_the_models_template (a directory with a chat template)",
+    "curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' "
+    "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"def main(\"}], \"max_tokens\": 64, "
+    "\"temperature\": 0}'":
+        "tests/test_serve.py::test_serve_cli_answers_chat_with_the_models_template (the same request, through httpx)",
     'python -m ddptrain.generate runs/code --prompt "def main(" --prompt "import os" --temperature 0 '
     "--max-tokens 80":
         "tests/test_serve.py::test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_not_fit",

@@ -1,6 +1,7 @@
 """Serving a trained run: the byte tokenizer as tokenizer.json, continuous batching that gives every
 request exactly what it would get alone (and what load_model's own decoding gives), request rules
-(400), back-pressure (429), cancellation on disconnect, /health, and the two command-line tools.
+(400), back-pressure (429), cancellation on disconnect, /health, chat completions through the model's
+chat template, and the two command-line tools.
 
 Servers run in this process on 127.0.0.1 and a free port, and are always shut down."""
 
@@ -11,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,6 +57,40 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(run_dir):
     return ddptrain.load_model(run_dir)
+
+
+# A plain-text template (the byte tokenizer has no special tokens): each message in role markers, then
+# the assistant's turn opened; a system message anywhere but first is refused by the template itself.
+CHAT_TEMPLATE = ("{% for message in messages %}"
+                 "{% if message['role'] == 'system' and not loop.first %}"
+                 "{{ raise_exception('a system message must come first') }}{% endif %}"
+                 "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+                 "{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+CHATS = [[{"role": "user", "content": "Foo"}, {"role": "assistant", "content": ":"}, {"role": "user", "content": "x"}],
+         [{"role": "system", "content": "code"}, {"role": "user", "content": "import "}],
+         [{"role": "user", "content": "def f("}],
+         [{"role": "user", "content": "    return "}],
+         [{"role": "user", "content": "print("}],
+         [{"role": "user", "content": "self."}]]
+"""Conversations that render to 54, 47 and 24 + len(content) tokens: room for 6 + 3 * index more."""
+
+
+def rendered(messages: list[dict]) -> str:
+    """What CHAT_TEMPLATE renders for `messages` with add_generation_prompt, written out by hand."""
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+@pytest.fixture(scope="module")
+def chat_dir(run_dir, tmp_path_factory):
+    """The run's servable directory with CHAT_TEMPLATE saved beside its byte tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    directory = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(servable_dir(run_dir), directory)
+    PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), chat_template=CHAT_TEMPLATE).save_pretrained(directory)
+    assert (directory / "chat_template.jinja").is_file()
+    return directory
 
 
 @contextlib.contextmanager
@@ -124,6 +160,29 @@ async def stream(client, url: str, started: asyncio.Event | None = None, **body)
                         started.set()
     return {"text": "".join(pieces), "finish_reason": last["choices"][0]["finish_reason"], "usage": last["usage"],
             "first": times[0], "last": times[-1]}
+
+
+async def chat(client, url: str, **body) -> dict:
+    response = await client.post(url + "/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    return answer
+
+
+async def chat_stream(client, url: str, **body) -> dict:
+    """A streamed chat completion: its chunks (chat.completion.chunk objects, in order) and their text."""
+    chunks, lines = [], []
+    async with client.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line:
+                lines.append(line)
+                if line != "data: [DONE]":
+                    chunks.append(json.loads(line.removeprefix("data: ")))
+    assert lines[-1] == "data: [DONE]" and {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    return {"chunks": chunks, "text": "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)}
 
 
 # -- the byte tokenizer and the servable directory ---------------------------------------------------
@@ -401,6 +460,133 @@ def test_health_is_503_once_the_decoding_loop_is_gone(run_dir):
         assert refused.status_code == 503
 
 
+# -- chat completions: the model's chat template, the same rules and the same batch --------------------
+
+
+def test_chat_completions_continue_the_rendered_chat_as_load_model_does(chat_dir, model):
+    lengths = [6 + 3 * i for i in range(len(CHATS))]
+    expected = [text_of(greedy_ids(model, rendered(messages), n)) for messages, n in zip(CHATS, lengths)]
+    assert len(set(expected)) > 1  # the conversations really lead to different answers
+    default_room = CONTEXT - len(rendered(CHATS[2]).encode())
+    sampled = text_of(sampled_ids(model, rendered(CHATS[1]), 12, 0.9, 0.95, seed=7))
+
+    async def main(url):
+        async with httpx.AsyncClient(timeout=60) as client:
+            together = await asyncio.gather(*(chat(client, url, messages=m, max_tokens=n, temperature=0)
+                                              for m, n in zip(CHATS, lengths)))
+            alone = [await chat(client, url, model="m", messages=m, max_completion_tokens=n, temperature=0)
+                     for m, n in zip(CHATS, lengths)]
+            streamed = await asyncio.gather(*(chat_stream(client, url, messages=m, max_tokens=n, temperature=0)
+                                              for m, n in zip(CHATS, lengths)))
+            # OpenAI's chat default: no max_tokens continues to the end of the context.
+            to_the_end = await chat(client, url, messages=CHATS[2], temperature=0)
+            seeded = await asyncio.gather(
+                chat(client, url, messages=CHATS[1], max_tokens=12, temperature=0.9, top_p=0.95, seed=7),
+                *(chat(client, url, messages=m, max_tokens=6, temperature=0.9, seed=i) for i, m in enumerate(CHATS)))
+            completion = await complete(client, url, prompt=rendered(CHATS[2]), max_tokens=lengths[2], temperature=0)
+        return together, alone, streamed, to_the_end, seeded[0], completion
+
+    with serving(chat_dir, max_active=8) as (url, generator):
+        together, alone, streamed, to_the_end, seeded, completion = asyncio.run(main(url))
+        assert generator.in_flight == 0
+    assert [r["choices"][0]["message"]["content"] for r in together] == expected
+    assert [r["choices"][0]["message"]["content"] for r in alone] == expected
+    assert [r["text"] for r in streamed] == expected
+    assert [r["usage"] for r in together] == [
+        {"prompt_tokens": len(rendered(m).encode()), "completion_tokens": n,
+         "total_tokens": len(rendered(m).encode()) + n} for m, n in zip(CHATS, lengths)]
+    assert {r["choices"][0]["finish_reason"] for r in together} == {"length"}
+    assert completion["choices"][0]["text"] == expected[2]  # the chat is its rendering sent as a prompt
+    # The stream as OpenAI's: the assistant's role first, text deltas, then finish_reason and usage.
+    for result, tokens in zip(streamed, lengths):
+        first, *middle, last = result["chunks"]
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(set(c["choices"][0]["delta"]) == {"content"} and c["choices"][0]["finish_reason"] is None
+                   for c in middle)
+        assert last["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}
+        assert last["usage"]["completion_tokens"] == tokens
+        assert len({c["id"] for c in result["chunks"]}) == 1
+    assert to_the_end["usage"]["completion_tokens"] == default_room
+    assert to_the_end["choices"][0]["message"]["content"] == text_of(greedy_ids(model, rendered(CHATS[2]),
+                                                                                default_room))
+    assert seeded["choices"][0]["message"]["content"] == sampled
+
+
+def test_control_tokens_typed_in_a_message_are_text_only_the_template_writes_them(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from ddptrain.serving.chat import ChatTemplate
+
+    template = "{% for message in messages %}{{ message['content'] + '<|end|>' }}{% endfor %}"
+    PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), chat_template=template,
+                            additional_special_tokens=["<|end|>"]).save_pretrained(tmp_path)
+    end = 256  # the added token's id
+    assert ChatTemplate.load(tmp_path).render([{"role": "user", "content": "a<|end|>b"}]) == [*b"a<|end|>b", end]
+
+
+HI = [{"role": "user", "content": "hi"}]
+HI_ROOM = CONTEXT - len(rendered(HI).encode())
+BAD_CHAT_REQUESTS = [
+    ('{"messages": [', "body", "not valid JSON"),
+    ({"max_tokens": 4}, "messages", "messages is required"),
+    ({"messages": []}, "messages", "must be a non-empty list of {role, content} objects, not []"),
+    ({"messages": "hi"}, "messages", "must be a non-empty list of {role, content} objects, not str"),
+    ({"messages": ["hi"]}, "messages[0]", "messages[0] must be an object with role and content, not str"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role", "messages[0].role is required"),
+    ({"messages": [*HI, {"role": "user"}]}, "messages[1].content", "messages[1].content is required"),
+    ({"messages": [*HI, {"role": "robot", "content": "b"}]}, "messages[1].role",
+     "messages[1].role='robot' must be one of system, user, assistant"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "must be a string, not int"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "must be a string, not NoneType"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "messages[0].content",
+     "content parts"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name", "unknown key 'name'"),
+    ({"messages": [{"role": "user", "content": "x" * 60}]}, "messages",
+     "rendered chat is 84 tokens, longer than the model's context of 64"),
+    ({"messages": [*HI, {"role": "system", "content": "b"}]}, "messages",
+     "the model's chat template refused the messages: a system message must come first"),
+    ({"messages": HI, "max_tokens": 0}, "max_tokens", "max_tokens=0 must be an integer >= 1"),
+    ({"messages": HI, "max_tokens": 100}, "max_tokens",
+     f"max_tokens=100 with a rendered chat of {64 - HI_ROOM} tokens exceeds the model's context of 64 positions; "
+     f"max_tokens must be <= {HI_ROOM}"),
+    ({"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens=0 must be an integer >= 1"),
+    ({"messages": HI, "max_completion_tokens": 100}, "max_completion_tokens",
+     f"max_completion_tokens must be <= {HI_ROOM}"),
+    ({"messages": HI, "max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens",
+     "max_completion_tokens=5 and max_tokens=4 differ"),
+    ({"messages": HI, "temperature": -0.5}, "temperature", "in [0, 2]"),
+    ({"messages": HI, "top_p": 0}, "top_p", "in (0, 1]"),
+    ({"messages": HI, "seed": -3}, "seed", "integer in [0,"),
+    ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"messages": HI, "stream": "yes"}, "stream", "true or false"),
+    ({"messages": HI, "n": 2}, "n", "must be 1"),
+    ({"messages": HI, "prompt": "x"}, "prompt", "unknown field 'prompt'"),
+]
+
+
+def test_every_bad_chat_request_gets_a_400_naming_the_field_and_the_rule(chat_dir, run_dir):
+    async def post_all(url, requests):
+        async with httpx.AsyncClient(timeout=30) as client:
+            return [await client.post(url + "/v1/chat/completions", headers={"content-type": "application/json"},
+                                      content=body if isinstance(body, str) else json.dumps(body))
+                    for body in requests]
+
+    with serving(chat_dir) as (url, generator):
+        responses = asyncio.run(post_all(url, [body for body, _, _ in BAD_CHAT_REQUESTS]))
+        assert generator.in_flight == 0
+    for (body, field, rule), response in zip(BAD_CHAT_REQUESTS, responses):
+        assert response.status_code == 400, (body, response.status_code, response.text)
+        error = response.json()["error"]
+        assert error == {"message": error["message"], "type": "invalid_request_error", "param": field, "code": 400}
+        assert rule in error["message"], (body, error)
+    # A model without a chat template serves completions; a chat request is a 400 that says why.
+    with serving(run_dir) as (url, _):
+        [refused] = asyncio.run(post_all(url, [{"messages": HI}]))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    assert "the served model has no chat template" in refused.json()["error"]["message"]
+
+
 # -- the command-line tools ---------------------------------------------------------------------------
 
 
@@ -422,21 +608,22 @@ def test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_no
     assert exit_info.value.code == 2 and "longer than the model's context of 64" in capsys.readouterr().err
 
 
-def test_serve_cli_serves_a_run_directory(run_dir, model, tmp_path):
-    port, output = free_port(), open(tmp_path / "serve.log", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "ddptrain.serve", str(run_dir), "--port", str(port)],
+@contextlib.contextmanager
+def serve_cli(path, log):
+    """`python -m ddptrain.serve PATH --port P` in a subprocess, its output in `log`; yields its URL once
+    /health answers, and terminates it after."""
+    port, output = free_port(), open(log, "w+")
+    process = subprocess.Popen([sys.executable, "-m", "ddptrain.serve", str(path), "--port", str(port)],
                                cwd=REPO, env=_env(), stdout=output, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
             time.sleep(0.2)
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                            json={"prompt": "import ", "max_tokens": 12, "temperature": 0}).json()
-        assert answer["choices"][0]["text"] == text_of(greedy_ids(model, "import ", 12))
+        yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
         try:
@@ -447,6 +634,25 @@ def test_serve_cli_serves_a_run_directory(run_dir, model, tmp_path):
         output.close()
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal: exit status -SIGTERM, not a kill.
     assert process.returncode == -signal.SIGTERM
+
+
+def test_serve_cli_serves_a_run_directory(run_dir, model, tmp_path):
+    with serve_cli(run_dir, tmp_path / "serve.log") as url:
+        answer = httpx.post(url + "/v1/completions", timeout=30,
+                            json={"prompt": "import ", "max_tokens": 12, "temperature": 0}).json()
+    assert answer["choices"][0]["text"] == text_of(greedy_ids(model, "import ", 12))
+    # The byte tokenizer has no chat template: said at start-up (chat requests are 400s that say it too).
+    assert "the served model has no chat template" in (tmp_path / "serve.log").read_text()
+
+
+def test_serve_cli_answers_chat_with_the_models_template(chat_dir, model, tmp_path):
+    messages = [{"role": "user", "content": "def main("}]
+    with serve_cli(chat_dir, tmp_path / "serve.log") as url:
+        answer = httpx.post(url + "/v1/chat/completions", timeout=30,
+                            json={"messages": messages, "max_tokens": 12, "temperature": 0}).json()
+    assert answer["choices"][0]["message"] == {"role": "assistant",
+                                               "content": text_of(greedy_ids(model, rendered(messages), 12))}
+    assert "/v1/chat/completions answers 400" not in (tmp_path / "serve.log").read_text()
 
 
 def test_serve_cli_refuses_a_directory_it_cannot_serve(tmp_path):

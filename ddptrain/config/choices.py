@@ -20,8 +20,14 @@ SCHEDULES = ("cosine", "constant")
 """optim.schedule (after linear warmup)."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 """model=hf: model.attn_implementation."""
-DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf", "sft")
 """data.name"""
+SFT_FORMATS = ("auto", "messages", "prompt_completion")
+"""data.format (data=sft): TRL's conversational or prompt-completion records; auto tells them by their fields."""
+SFT_TRAIN_ON = ("all_assistant", "last_assistant")
+"""data.train_on (data=sft): which assistant turns of a conversation are targets."""
+SFT_TRUNCATIONS = ("drop", "right", "error")
+"""data.truncation (data=sft): an example longer than batch.seq_len + 1 is dropped (counted), cut at its end, or an error."""
 SPLIT_BY = ("file", "paragraph")
 """data.split_by (data=text)."""
 DECODE_ERRORS = ("replace", "error")

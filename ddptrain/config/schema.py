@@ -115,6 +115,21 @@ class GPTModelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """model.lora: a LoRA adapter through peft over the frozen weights of model.path (r 0 or null: off)."""
+
+    r: Optional[int] = 0
+    """Rank of each adapter's A (r x in) and B (out x r) matrices; 0 or null: no LoRA, every weight trains."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter adds (alpha / r) x B A to each targeted weight (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input (0 keeps steps deterministic and layouts exact)."""
+    target_modules: Any = "all-linear"
+    """Modules that get an adapter: all-linear (every attention and MLP projection, not the LM head) or a list of
+    module names (peft's target_modules, e.g. [q_proj, v_proj])."""
+
+
+@dataclass
 class HFModelConfig:
     """model=hf: any causal LM that transformers' AutoModelForCausalLM knows, from a local directory."""
 
@@ -123,6 +138,8 @@ class HFModelConfig:
     """Local directory: config.json, and weights to fine-tune from (none: initialised with run.seed). Never downloaded."""
     attn_implementation: str = "sdpa"
     """sdpa | eager: transformers' attention kernel (packing needs one that takes a 4D mask)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA (model.lora.r > 0): only the adapter trains; checkpoints and final/ hold it alone."""
 
     @staticmethod
     def check(typed: Any) -> None:
@@ -130,6 +147,19 @@ class HFModelConfig:
         if typed.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ConfigError(f"model.attn_implementation={typed.attn_implementation!r} is not one of "
                               f"{', '.join(ATTN_IMPLEMENTATIONS)}")
+        lora = typed.lora
+        if lora.r is not None and lora.r < 0:
+            raise ConfigError(f"model.lora.r={lora.r} must be >= 0 (0 or null: no LoRA)")
+        if lora.r:
+            if not lora.alpha > 0:
+                raise ConfigError(f"model.lora.alpha={lora.alpha!r} must be > 0")
+            if not 0 <= lora.dropout < 1:
+                raise ConfigError(f"model.lora.dropout={lora.dropout!r} must be in [0, 1)")
+            targets = lora.target_modules
+            names = [targets] if isinstance(targets, str) else list(targets) if targets is not None else []
+            if not names or not all(isinstance(name, str) and name for name in names):
+                raise ConfigError(f"model.lora.target_modules={targets!r} must be all-linear or a non-empty list of "
+                                  "module names, e.g. [q_proj, k_proj, v_proj, o_proj]")
 
 
 ModelConfig = GPTModelConfig  # the default model's schema
@@ -149,7 +179,7 @@ class ObjectiveConfig:
 @dataclass
 class DataConfig:
     name: str = "stdlib"
-    """stdlib (the interpreter's standard-library sources) | text | jsonl | tokens | hf (optional extra)."""
+    """stdlib (the interpreter's standard-library sources) | text | jsonl | tokens | hf (optional extra) | sft (chats)."""
     val_percent: float = 5.0
     """Percent of documents (by a hash of their name) held out for validation (unless val_paths)."""
     max_docs: Optional[int] = None
@@ -163,7 +193,7 @@ class DataConfig:
     field: str = "text"
     """jsonl and hf: the string field (column) holding each document."""
     tokenizer: Optional[str] = None
-    """byte | path to a Hugging Face tokenizer.json (optional extra); null: model=hf's own tokenizer.json, else byte."""
+    """byte | path to a Hugging Face tokenizer.json (optional extra); null: model=hf's own tokenizer.json, else byte (sft: none)."""
     on_decode_error: str = "replace"
     """Bytes that are not UTF-8 where text is needed (jsonl, tokenizer.json): replace (U+FFFD, counted) | error."""
     dtype: str = "uint16"
@@ -176,6 +206,20 @@ class DataConfig:
     """Model vocabulary; required for data=tokens (ids must be below it); default: the tokenizer's."""
     cache_dir: Optional[str] = None
     """Preprocessing cache, shared by the ranks of a node (default: $XDG_CACHE_HOME/ddptrain or ~/.cache/ddptrain)."""
+    format: str = "auto"
+    """sft: auto (told by each record's fields) | messages (conversational) | prompt_completion."""
+    messages_field: str = "messages"
+    """sft: the field holding a conversation, a list of {"role", "content"} messages."""
+    prompt_field: str = "prompt"
+    """sft: the prompt field (a string, or a list of messages) of prompt-completion records."""
+    completion_field: str = "completion"
+    """sft: the completion field (a string, or a list of messages) of prompt-completion records."""
+    train_on: str = "all_assistant"
+    """sft: every assistant turn is a target (all_assistant) | only a conversation's last one (last_assistant)."""
+    truncation: str = "drop"
+    """sft: an example longer than batch.seq_len + 1 tokens: drop (counted, warned) | right (cut its end) | error."""
+    chat_template: Optional[str] = None
+    """sft: a Jinja chat template file (default: the tokenizer's own, chat_template.jinja or tokenizer_config.json)."""
 
 
 @dataclass

@@ -28,6 +28,9 @@ _CHOICES = {
     "data.split_by": choices.SPLIT_BY,
     "data.on_decode_error": choices.DECODE_ERRORS,
     "data.dtype": choices.TOKEN_DTYPES,
+    "data.format": choices.SFT_FORMATS,
+    "data.train_on": choices.SFT_TRAIN_ON,
+    "data.truncation": choices.SFT_TRUNCATIONS,
     "logger.wandb.mode": choices.WANDB_MODES,
     "logger.progress": choices.PROGRESS_MODES,
 }
@@ -211,6 +214,11 @@ def _validate_data(data: Any) -> None:
                               f"(ids < {max_id}); use data.dtype=uint32")
     elif data.eod_token is not None or data.index is not None:
         raise ConfigError(f"data.eod_token / data.index apply to data=tokens only, not data={data.name}")
+    if data.name == "sft" and data.tokenizer == "byte":
+        raise ConfigError("data=sft needs a real tokenizer with an EOS token and a chat template, not data.tokenizer="
+                          "byte: model=hf's own (data.tokenizer=null) or data.tokenizer=<dir>/tokenizer.json")
+    if data.name != "sft" and data.chat_template is not None:
+        raise ConfigError(f"data.chat_template applies to data=sft only, not data={data.name}")
 
 
 def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:

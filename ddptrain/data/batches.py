@@ -16,6 +16,10 @@ curve, do not depend on the layout.
 - pack: the examples are rows of seq_len tokens cut from all documents laid end to end
   (ddptrain/data/packing.py); documents keep their own positions and attention segments. Either
   of the layouts above then applies to these rows.
+- pack, on conversations (data=sft): the step's global batch is packed, each conversation whole,
+  into rows of at most seq_len positions; the rows are split over ranks with nearly equal token
+  counts and cut into microbatches of `micro_size` rows or at most `micro_tokens` padded tokens.
+  A microbatch is then a list of rows, each an array of example ids.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddptrain.data.dataset import TokenExamples
-from ddptrain.data.packing import PackedExamples
+from ddptrain.data.packing import ConversationRows, PackedExamples
 from ddptrain.data.plan import GlobalBatchPlan, rank_share, split_micro
 
 
@@ -59,10 +63,14 @@ class TrainBatches:
     def __init__(self, examples: TokenExamples, global_batch_size: int, micro_batch_size: int,
                  seed: int, rank: int, world_size: int, micro_tokens: int | None = None,
                  pack: bool = False, seq_len: int | None = None):
+        self.conversation_rows = None
         if pack:
             if seq_len is None:
                 raise ValueError("packing needs seq_len, the length of a packed row")
-            examples = PackedExamples.from_examples(examples, seq_len)
+            if examples.is_conversations:  # packed per step: the same sample as unpacked
+                self.conversation_rows = ConversationRows(examples, seq_len)
+            else:
+                examples = PackedExamples.from_examples(examples, seq_len)
         self.examples = examples
         self.plan = GlobalBatchPlan(len(examples), global_batch_size, seed)
         self.micro_batch_size = micro_batch_size
@@ -71,7 +79,9 @@ class TrainBatches:
         self.seq_len = seq_len
         self.rank = rank
         self.world_size = world_size
-        self._targets = examples.lengths - 1  # input/target pairs of each example
+        # Input positions of each example (L - 1): what a budget limits and what ranks balance (compute and
+        # memory), masked-out targets included; the objective counts only valid targets (the Engine).
+        self._positions = examples.lengths - 1
         # ((step, per-rank microbatches), ...): the two steps computed last, newest first. An immutable
         # tuple swapped in one assignment, so the prefetching thread and the training thread can
         # share it without a lock (a lost update only costs a recomputation of the same layout).
@@ -88,14 +98,26 @@ class TrainBatches:
             if cached_step == step:
                 return ranks
         global_ids = self.plan.global_batch(step)
-        if self.micro_tokens is None:
+        if self.conversation_rows is not None:
+            ranks = self._conversation_layout(global_ids)
+        elif self.micro_tokens is None:
             ranks = [split_micro(rank_share(global_ids, rank, self.world_size), self.micro_batch_size)
                      for rank in range(self.world_size)]
         else:
-            shares = balanced_shares(global_ids, self._targets[global_ids], self.world_size)
-            ranks = [budget_microbatches(share, self._targets[share], self.micro_tokens) for share in shares]
+            shares = balanced_shares(global_ids, self._positions[global_ids], self.world_size)
+            ranks = [budget_microbatches(share, self._positions[share], self.micro_tokens) for share in shares]
         self._layouts = ((step, ranks),) + cached[:1]
         return ranks
+
+    def _conversation_layout(self, global_ids: np.ndarray) -> list[list[list[np.ndarray]]]:
+        rows = self.conversation_rows.pack(global_ids)
+        widths = np.asarray([self.conversation_rows.width(row) for row in rows], dtype=np.int64)
+        shares = balanced_shares(np.arange(len(rows), dtype=np.int64), widths, self.world_size)
+        if self.micro_tokens is None:
+            groups = [split_micro(share, self.micro_batch_size) for share in shares]
+        else:
+            groups = [budget_microbatches(share, widths[share], self.micro_tokens) for share in shares]
+        return [[[rows[i] for i in group] for group in rank] for rank in groups]
 
     def rank_microbatches(self, step: int, rank: int) -> list[np.ndarray]:
         """Example ids of each microbatch of `rank` at `step`."""
@@ -107,10 +129,14 @@ class TrainBatches:
 
     def global_shapes(self, step: int) -> list[tuple[int, int]]:
         """(rows, padded width) of every microbatch of every rank: what the devices compute."""
-        return [(len(ids), int(self._targets[ids].max())) for micro in self.layout(step) for ids in micro]
+        if self.conversation_rows is not None:
+            width = self.conversation_rows.width
+            return [(len(rows), max(width(row) for row in rows)) for micro in self.layout(step) for rows in micro]
+        return [(len(ids), int(self._positions[ids].max())) for micro in self.layout(step) for ids in micro]
 
     def microbatches(self, step: int) -> list:
-        return [self.examples.collate(ids) for ids in self.microbatch_ids(step)]
+        collate = self.examples.collate if self.conversation_rows is None else self.conversation_rows.collate
+        return [collate(ids) for ids in self.microbatch_ids(step)]
 
     def state_dict(self, step: int) -> dict:
         return {"samples_seen": self.plan.samples_seen(step), "seed": self.plan.seed,

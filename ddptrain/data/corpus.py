@@ -16,9 +16,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ddptrain.data import sft
 from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cache_key, default_cache_dir,
                                  file_stamp, open_tokens)
-from ddptrain.data.dataset import DataSplits, TokenExamples
+from ddptrain.data.chat import ChatTokenizer
+from ddptrain.data.dataset import DataSplits, TokenExamples, assign_splits
 from ddptrain.data.sources import (DataError, TextDecoder, expand_paths, hf_documents, is_validation, jsonl_documents,
                                    text_documents, token_documents, token_file, warn_replaced)
 from ddptrain.data.stdlib import load_stdlib
@@ -31,11 +33,15 @@ _CHUNK = 1 << 24  # tokens per pass over a token file (bounded memory for any fi
 
 
 def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
-    """DataSplits of a `text | jsonl | tokens | hf` source (see DataConfig), through the cache."""
+    """DataSplits of a `text | jsonl | tokens | hf | sft` source (see DataConfig), through the cache."""
     if data_cfg.name == "stdlib":
         return load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs, load_tokenizer(data_cfg.tokenizer))
-    tokenizer = ByteTokenizer() if data_cfg.name == "tokens" else load_tokenizer(data_cfg.tokenizer)
-    allow_dirs = data_cfg.name == "hf"
+    is_sft = data_cfg.name == "sft"
+    if is_sft:
+        tokenizer = ChatTokenizer(data_cfg.tokenizer, data_cfg.chat_template)
+    else:
+        tokenizer = ByteTokenizer() if data_cfg.name == "tokens" else load_tokenizer(data_cfg.tokenizer)
+    allow_dirs = data_cfg.name in ("hf", "sft")
     train_files = expand_paths(list(data_cfg.paths), "data.paths", allow_dirs)
     val_files = expand_paths(list(data_cfg.val_paths), "data.val_paths", allow_dirs) if data_cfg.val_paths else []
     index = Path(os.path.expanduser(data_cfg.index)) if data_cfg.index else None
@@ -46,6 +52,7 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
         "val_percent": None if val_files else data_cfg.val_percent, "max_docs": data_cfg.max_docs,
         "split_by": data_cfg.split_by, "field": data_cfg.field, "on_decode_error": data_cfg.on_decode_error,
         "dtype": data_cfg.dtype, "eod_token": data_cfg.eod_token, "index": file_stamp(index) if index else None,
+        **(sft.fingerprint(data_cfg, seq_len) if is_sft else {}),
     }
     key = cache_key(fingerprint)
     if local_rank is None:
@@ -54,6 +61,8 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     def build(tmp: Path) -> dict:
         if data_cfg.name == "tokens":
             meta = _build_token_files(tmp, data_cfg, train_files, val_files, index)
+        elif is_sft:
+            meta = sft.build(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf", seq_len)
         else:
             meta = _build_documents(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf")
         return {"fingerprint": fingerprint, **meta}
@@ -63,6 +72,9 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     vocab_size = _vocab_size(data_cfg, tokenizer, meta)
     splits = {}
     for split in ("train", "val"):
+        if is_sft:
+            splits[split] = sft.examples_of(entry, split, open_tokens(entry, meta[split]), meta)
+            continue
         docs = np.load(entry / f"{split}.docs.npy")
         splits[split] = TokenExamples.from_token_array(open_tokens(entry, meta[split]), docs[:, 0], docs[:, 1], seq_len)
     log.info("data: %s cache entry %s in %.2fs (%s, %d train + %d validation documents, vocabulary %d)",
@@ -72,6 +84,8 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
         log.warning("data: skipped %d document(s) shorter than 2 tokens (no input/target pair), e.g. %s",
                     meta["short_documents"], meta["short_example"])
     warn_replaced(meta.get("replaced_documents", 0), meta.get("replaced_example"))
+    if is_sft:
+        sft.warn_skips(meta, seq_len)
     return DataSplits(splits["train"], splits["val"], vocab_size)
 
 
@@ -87,26 +101,6 @@ def _vocab_size(data_cfg: Any, tokenizer, meta: dict) -> int:
         raise DataError(f"data.vocab_size={data_cfg.vocab_size} is smaller than the vocabulary of the tokenizer "
                         f"{tokenizer.name} ({tokenizer.vocab_size} ids)")
     return int(data_cfg.vocab_size or tokenizer.vocab_size)
-
-
-def _assign_splits(names: list[str], docs: np.ndarray, is_val: np.ndarray, has_val_files: bool) -> dict:
-    """(D, 2) documents per split; an empty corpus or an empty validation split is a clear error."""
-    train, val = docs[~is_val], docs[is_val]
-    if not len(train) and not len(val):
-        raise DataError("the corpus is empty: no document of at least 2 tokens in data.paths")
-    if not len(val):
-        if has_val_files:
-            raise DataError("data.val_paths produced no document of at least 2 tokens")
-        if len(train) < 2:
-            raise DataError(f"the corpus has only {len(train)} usable document (at least 2 tokens), but training needs "
-                            "one to train on and one for validation; add data (data=text data.split_by=paragraph "
-                            "cuts files into more documents) or give data.val_paths")
-        train, val = train[:-1], train[-1:]  # tiny corpora still get a validation set
-        log.info("data: no document hashed into the validation split; using the last one (%s)", names[-1])
-    if not len(train):
-        raise DataError(f"the corpus has only {len(val)} usable document(s), all in the validation split; "
-                        "add data or lower data.val_percent")
-    return {"train": train, "val": val}
 
 
 def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path], val_files: list[Path],
@@ -132,7 +126,7 @@ def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path
         writer.close()
         progress.close()
     docs_array = np.asarray(docs, dtype=np.int64).reshape(-1, 2)
-    splits = _assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files))
+    splits = assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files))
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array)
     ref = {"tokens": {"npy": "tokens.npy"}}
@@ -232,7 +226,7 @@ def _build_token_files(tmp: Path, data_cfg: Any, train_files: list[Path], val_fi
     names = [str(int(per_group[group][1][-1])) if len(per_group[group][1]) else "" for group in per_group]
     if "all" in refs:
         refs = {"train": refs["all"], "val": refs["all"]}
-        splits = _assign_splits(names, docs[0], is_val[0], False)
+        splits = assign_splits(names, docs[0], is_val[0], False)
     else:
         train, val = docs
         if not len(train):

@@ -1,8 +1,12 @@
-"""Token examples: documents cut into pieces of at most seq_len + 1 tokens.
+"""Token examples: documents cut into pieces of at most seq_len + 1 tokens, or whole conversations.
 
 An example of L tokens gives L - 1 (input, target) pairs. A document's ragged end is a shorter
 example, padded at collation with target -100, so valid-token counts really differ between
 microbatches (which is exactly the case the global mean-token objective exists for).
+
+Fine-tuning examples (data=sft) are whole conversations with a target mask beside the tokens
+(`mask[i] == 1`: token i is a target): every other position's target is -100, and the counts of
+valid targets (`valid_targets`, `targets_per_example`) count only the masked-in ones.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from ddptrain.data.sources import DataError
 from ddptrain.engine.objective import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -28,6 +33,27 @@ class DataSplits:
     vocab_size: int
 
 
+def assign_splits(names: list[str], docs: np.ndarray, is_val: np.ndarray, has_val_files: bool,
+                  usable: str = "document of at least 2 tokens") -> dict:
+    """(D, k) documents per split; an empty corpus or an empty validation split is a clear error."""
+    train, val = docs[~is_val], docs[is_val]
+    if not len(train) and not len(val):
+        raise DataError(f"the corpus is empty: no {usable} in data.paths")
+    if not len(val):
+        if has_val_files:
+            raise DataError(f"data.val_paths produced no {usable}")
+        if len(train) < 2:
+            raise DataError(f"the corpus has only {len(train)} {usable}, but training needs "
+                            "one to train on and one for validation; add data (data=text data.split_by=paragraph "
+                            "cuts files into more documents) or give data.val_paths")
+        train, val = train[:-1], train[-1:]  # tiny corpora still get a validation set
+        log.info("data: no document hashed into the validation split; using the last one (%s)", names[-1])
+    if not len(train):
+        raise DataError(f"the corpus has only {len(val)} usable document(s), all in the validation split; "
+                        "add data or lower data.val_percent")
+    return {"train": train, "val": val}
+
+
 @dataclass
 class TokenExamples:
     """All examples of one split: a flat token array and (start, length) of every example."""
@@ -38,9 +64,26 @@ class TokenExamples:
     documents: int
     skipped_documents: int
     doc_ids: np.ndarray  # (N,) int64: which document of this split (0..documents-1) each example comes from
+    mask: np.ndarray | None = None  # like `tokens`: 1 where the token is a target (data=sft), None: all are
+    example_targets: np.ndarray | None = None  # (N,) int64: valid targets of each example, with a mask
 
     def __len__(self) -> int:
         return len(self.starts)
+
+    @property
+    def is_conversations(self) -> bool:
+        """Whole examples with a target mask (data=sft): packing keeps each one whole."""
+        return self.mask is not None
+
+    @classmethod
+    def whole(cls, tokens: np.ndarray, mask: np.ndarray, docs: np.ndarray, skipped: int = 0) -> "TokenExamples":
+        """One example per document of (D, 3) (start, length, valid targets), each already at most
+        seq_len + 1 tokens long (data=sft truncates when it preprocesses)."""
+        docs = np.asarray(docs, dtype=np.int64).reshape(-1, 3)
+        if not len(docs):
+            raise ValueError("the data source produced no example")
+        return cls(tokens, docs[:, 0].copy(), docs[:, 1].copy(), len(docs), skipped,
+                   np.arange(len(docs), dtype=np.int64), mask, docs[:, 2].copy())
 
     @classmethod
     def from_documents(cls, docs: Iterable[np.ndarray], seq_len: int) -> "TokenExamples":
@@ -90,8 +133,12 @@ class TokenExamples:
         lengths = np.minimum(seq_len + 1, doc_lengths[doc_ids] - begins)
         return cls(tokens, starts, lengths, len(doc_starts), skipped, doc_ids)
 
+    def targets_per_example(self) -> np.ndarray:
+        """(N,) valid targets of each example: L - 1, or the masked-in ones."""
+        return self.example_targets if self.mask is not None else self.lengths - 1
+
     def valid_targets(self) -> int:
-        return int((self.lengths - 1).sum())
+        return int(self.targets_per_example().sum())
 
     def collate(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of shape (B, T) for the given examples, T the longest among them.
@@ -105,5 +152,12 @@ class TokenExamples:
             start, length = self.starts[index], self.lengths[index]
             piece = self.tokens[start : start + length]
             inputs[row, : length - 1] = piece[:-1]
-            targets[row, : length - 1] = piece[1:]
+            targets[row, : length - 1] = self.example_targets_of(start, length, piece)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
+
+    def example_targets_of(self, start: int, length: int, piece: np.ndarray) -> np.ndarray:
+        """(length - 1,) targets of the example at `start`: the next tokens, -100 where masked out."""
+        targets = piece[1:].astype(np.int64)
+        if self.mask is not None:
+            targets[self.mask[start + 1 : start + length] == 0] = IGNORE_INDEX
+        return targets

@@ -10,6 +10,12 @@ continues in the next row without the context before the cut (as in every packed
 
 Because the rows depend only on the data and seq_len, any (world size x micro size/tokens)
 layout of packed rows sees the same examples: the layout invariance holds within packing.
+
+Conversations (data=sft) are packed differently, so that a packed step is the same sample as an
+unpacked one: `ConversationRows` takes the examples that the step's global batch already drew and
+packs them, whole, into rows of at most seq_len positions (best-fit decreasing). Each keeps its
+own positions, attention segment and masked targets, so the packed step computes the same loss
+as the unpacked step, and `batch.global_size` still counts conversations.
 """
 
 from __future__ import annotations
@@ -79,6 +85,63 @@ class PackedExamples:
             used = len(row_inputs)
             inputs[row, :used], targets[row, :used] = row_inputs, row_targets
             positions[row, :used], segments[row, :used] = row_positions, row_segments
+        batch = {"idx": torch.from_numpy(inputs), "positions": torch.from_numpy(positions),
+                 "segments": torch.from_numpy(segments)}
+        return batch, torch.from_numpy(targets)
+
+
+def best_fit_decreasing(ids: np.ndarray, sizes: np.ndarray, capacity: int) -> list[np.ndarray]:
+    """`ids` in rows of at most `capacity` total size: longest first (ties by position), each into the
+    fullest row it fits, else a new row. Deterministic; every size must be <= capacity."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for index in np.lexsort((np.arange(len(ids)), -sizes)):
+        size = int(sizes[index])
+        fits = [row for row, room in enumerate(free) if size <= room]
+        if fits:
+            row = min(fits, key=lambda r: (free[r], r))
+            rows[row].append(int(ids[index]))
+            free[row] -= size
+        else:
+            rows.append([int(ids[index])])
+            free.append(capacity - size)
+    return [np.asarray(row, dtype=np.int64) for row in rows]
+
+
+class ConversationRows:
+    """Whole examples (conversations with a target mask) packed into rows of at most seq_len positions."""
+
+    def __init__(self, examples: TokenExamples, seq_len: int):
+        self.examples = examples
+        self.seq_len = seq_len
+        self.positions = examples.lengths - 1  # an example of L tokens takes L - 1 input positions
+
+    def pack(self, ids: np.ndarray) -> list[np.ndarray]:
+        """The rows of these examples (a step's global batch), each an array of example ids."""
+        return best_fit_decreasing(ids, self.positions[ids], self.seq_len)
+
+    def width(self, row: np.ndarray) -> int:
+        return int(self.positions[row].sum())
+
+    def collate(self, rows: list[np.ndarray]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """({"idx", "positions", "segments"}, targets), each (B, T): B rows, T the widest."""
+        shape = (len(rows), max(self.width(row) for row in rows))
+        inputs = np.zeros(shape, dtype=np.int64)
+        targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros(shape, dtype=np.int64)
+        segments = np.full(shape, -1, dtype=np.int64)  # padding: a segment of its own
+        examples = self.examples
+        for r, row in enumerate(rows):
+            at = 0
+            for segment, index in enumerate(row):
+                start, length = int(examples.starts[index]), int(examples.lengths[index])
+                piece = examples.tokens[start : start + length]
+                used = slice(at, at + length - 1)
+                inputs[r, used] = piece[:-1]
+                targets[r, used] = examples.example_targets_of(start, length, piece)
+                positions[r, used] = np.arange(length - 1)
+                segments[r, used] = segment
+                at += length - 1
         batch = {"idx": torch.from_numpy(inputs), "positions": torch.from_numpy(positions),
                  "segments": torch.from_numpy(segments)}
         return batch, torch.from_numpy(targets)

@@ -137,8 +137,8 @@ def text_documents(files: list[Path], split_by: str = "file") -> Iterator[tuple[
             yield str(path), data, len(data)
 
 
-def jsonl_documents(files: list[Path], field: str, decoder: TextDecoder | None = None) -> Iterator[tuple[str, str, int]]:
-    """(file:line, text, bytes read): one document per non-blank line, the string at `field`."""
+def jsonl_records(files: list[Path], decoder: TextDecoder | None = None) -> Iterator[tuple[str, dict | None, int]]:
+    """(file:line, the line's JSON object, bytes read) of every line; None for a blank line."""
     decoder = decoder or TextDecoder()
     for path in files:
         with still_listed(path):
@@ -147,20 +147,30 @@ def jsonl_documents(files: list[Path], field: str, decoder: TextDecoder | None =
             for number, raw in enumerate(handle, start=1):
                 name = f"{path}:{number}"
                 if not raw.strip():
-                    yield name, "", len(raw)  # counted as a too-short document
+                    yield name, None, len(raw)
                     continue
                 line = decoder.decode(name, raw, position="column")
                 try:
                     record = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as error:
                     raise DataError(f"{name}: invalid JSON: {error.msg} (column {error.colno})") from None
-                if not isinstance(record, dict) or field not in record:
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"{name}: no field {field!r} (data.field); the line has {keys}")
-                value = record[field]
-                if not isinstance(value, str):
-                    raise DataError(f"{name}: field {field!r} is {type(value).__name__}, not a string")
-                yield name, value, len(raw)
+                if not isinstance(record, dict):
+                    raise DataError(f"{name}: the line is a JSON {type(record).__name__}, not an object")
+                yield name, record, len(raw)
+
+
+def jsonl_documents(files: list[Path], field: str, decoder: TextDecoder | None = None) -> Iterator[tuple[str, str, int]]:
+    """(file:line, text, bytes read): one document per non-blank line, the string at `field`."""
+    for name, record, read in jsonl_records(files, decoder):
+        if record is None:
+            yield name, "", read  # counted as a too-short document
+            continue
+        if field not in record:
+            raise DataError(f"{name}: no field {field!r} (data.field); the line has {sorted(record)}")
+        value = record[field]
+        if not isinstance(value, str):
+            raise DataError(f"{name}: field {field!r} is {type(value).__name__}, not a string")
+        yield name, value, read
 
 
 def token_file(path: Path, dtype: str) -> np.ndarray:
@@ -220,13 +230,15 @@ def _index_offsets(index: Path, path: Path, total: int) -> np.ndarray:
     return offsets
 
 
-def hf_documents(paths: list[Path], field: str, split: str, cache_dir: Path) -> Iterator[tuple[str, str, int]]:
-    """Rows of a local Hugging Face `datasets` dataset: data files, or a `save_to_disk` directory."""
+def hf_records(paths: list[Path], split: str, cache_dir: Path) -> tuple[str, Iterator[tuple[str, dict]], list[str]]:
+    """(where, (where#row, row) of every row, the column names) of a local Hugging Face `datasets`
+    dataset: data files, or a `save_to_disk` directory (its `split`)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only, never the Hub
     try:
         import datasets
     except ImportError:
-        raise DataError("data=hf needs the optional extra: pip install 'ddptrain[hf]' (datasets)") from None
+        raise DataError("data=hf and data=sft on a dataset need the optional extra: pip install 'ddptrain[hf]' "
+                        "(datasets)") from None
     if len(paths) == 1 and paths[0].is_dir():
         dataset = datasets.load_from_disk(str(paths[0]))
         if isinstance(dataset, datasets.DatasetDict):
@@ -238,17 +250,29 @@ def hf_documents(paths: list[Path], field: str, split: str, cache_dir: Path) -> 
         builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
         kinds = {builders.get("".join(p.suffixes[-1:]).lower()) for p in paths}
         if None in kinds or len(kinds) != 1:
-            raise DataError(f"data=hf: {[str(p) for p in paths]} must all be .json/.jsonl, .csv, .parquet or .txt "
+            raise DataError(f"data.paths: {[str(p) for p in paths]} must all be .json/.jsonl, .csv, .parquet or .txt "
                             "files (or one save_to_disk directory)")
         dataset = datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in paths], split="train",
                                         cache_dir=str(cache_dir))
         where = str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
-    if field not in dataset.column_names:
-        raise DataError(f"{where}: no column {field!r} (data.field); the dataset has {dataset.column_names}")
-    row = 0
-    for batch in dataset.select_columns([field]).iter(batch_size=1024):
-        for value in batch[field]:
-            if not isinstance(value, str):
-                raise DataError(f"{where}: row {row}: column {field!r} is {type(value).__name__}, not a string")
-            yield f"{where}#{row}", value, 1
-            row += 1
+
+    def rows(columns: list[str]) -> Iterator[tuple[str, dict]]:
+        row = 0
+        for batch in dataset.select_columns(columns).iter(batch_size=1024):
+            for values in zip(*(batch[column] for column in columns)):
+                yield f"{where}#{row}", dict(zip(columns, values))
+                row += 1
+
+    return where, rows, list(dataset.column_names)
+
+
+def hf_documents(paths: list[Path], field: str, split: str, cache_dir: Path) -> Iterator[tuple[str, str, int]]:
+    """Rows of a local Hugging Face `datasets` dataset: data files, or a `save_to_disk` directory."""
+    where, rows, columns = hf_records(paths, split, cache_dir)
+    if field not in columns:
+        raise DataError(f"{where}: no column {field!r} (data.field); the dataset has {columns}")
+    for name, record in rows([field]):
+        value = record[field]
+        if not isinstance(value, str):
+            raise DataError(f"{name.replace('#', ': row ')}: column {field!r} is {type(value).__name__}, not a string")
+        yield name, value, 1

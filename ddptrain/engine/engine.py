@@ -51,6 +51,9 @@ class Engine:
         device: where microbatches go; defaults to the device of init_distributed().
         objective: the per-token loss summed over valid targets and divided by the global N_t
             (label smoothing, z-loss); None: plain cross-entropy.
+        save_frozen: False: `save` leaves out the parameters that do not train (requires_grad
+            False), which the model's build restores (a LoRA base): the trained ones and the
+            optimizer state only; `load` then expects them absent.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class Engine:
         device: torch.device | None = None,
         strategy_options: dict | None = None,
         objective: Objective | None = None,
+        save_frozen: bool = True,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -85,7 +89,7 @@ class Engine:
         if isinstance(strategy, str):
             strategy = build_strategy(strategy, **(strategy_options or {}))
         self.strategy = strategy
-        self.strategy.configure(grad_clip=grad_clip, precision=precision)
+        self.strategy.configure(grad_clip=grad_clip, precision=precision, save_frozen=save_frozen)
         self.strategy.setup(model, optimizer, self.device)
         self.loss_scale = DynamicLossScale(self.device) if precision == "fp16" else None
         self.skipped_steps = 0
@@ -218,9 +222,10 @@ class Engine:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights as CPU tensors."""
-        return self.strategy.model_state_dict()
+    def model_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights as CPU tensors (collective when sharded); `trainable_only`: only
+        the parameters that train (requires_grad) and the buffers, the frozen ones never gathered."""
+        return self.strategy.model_state_dict(trainable_only)
 
     def state_dict(self) -> dict:
         """Everything needed to resume, in memory: optimizer state, LR schedule and counters.

@@ -7,6 +7,10 @@ an adapter and never compare a kind's name.
     adapter.check_model(model, cfg.model, seq_len, pack)
     adapter_of(spec).load_final(directory, spec)  # from a spec written beside the weights
 
+model=hf with model.lora.r > 0 is peft's LoRA over the frozen weights of model.path
+(ddptrain.models.lora): final/ is then a PEFT adapter directory, and checkpoints and final/ hold
+the adapter alone (`saves_frozen_weights`).
+
 Activation checkpointing (trainer.activation_checkpointing) keeps only each block's input in the
 forward pass and recomputes the block in backward. The activations a block saves for backward
 (attention inputs, the 4x-wide MLP hidden, norms) are freed after its forward and rebuilt when
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 from ddptrain.models import hf  # imports no transformers by itself: only its functions do
+from ddptrain.models import lora  # nor peft
 from ddptrain.models.gpt import GPT, GPTConfig
 from ddptrain.models.spec import ModelError, ModelSpec, accepts_packed_rows, class_path, tied_parameters
 
@@ -92,6 +97,12 @@ class ModelAdapter:
         """An untrained module of the same shape as the one `spec` describes (for loading weights)."""
         return self._new_module(spec.config, spec.vocab_size, spec.max_seq_len)
 
+    def saves_frozen_weights(self, spec: ModelSpec) -> bool:
+        """Whether checkpoints and final/ hold the parameters that do not train (requires_grad False).
+        False only where `build` and `rebuild` restore them exactly (model.lora: the base weights of
+        model.path, fingerprinted): then both hold the trained parameters alone."""
+        return True
+
 
 class GPTAdapter(ModelAdapter):
     """model=gpt: the built-in GPT (ddptrain.models.gpt); it takes packed rows."""
@@ -116,12 +127,29 @@ class HFAdapter(ModelAdapter):
         return str(found) if found is not None else None
 
     def build(self, model_cfg: dict, vocab_size: int, seq_len: int) -> tuple[nn.Module, ModelSpec]:
-        module, spec = super().build(model_cfg, vocab_size, seq_len)
-        spec.hf_config = module.config.to_dict()
+        """The model of model.path; with model.lora, peft's adapter over it, the base frozen and
+        fingerprinted (ddptrain.models.lora)."""
+        config = dict(model_cfg)
+        module = self._new_module(config, vocab_size, seq_len)
+        hf_config, base_weights = module.config.to_dict(), None
+        if lora.is_enabled(config):
+            if not hf.has_weights(Path(config["path"]).expanduser()):
+                raise ModelError(f"model.lora.r={config['lora']['r']}: model.path={config['path']} has no weights "
+                                 f"({', '.join(hf.WEIGHT_FILES)}); LoRA trains an adapter over pretrained weights, "
+                                 "set model.lora.r=0 to train every weight from the config")
+            base_weights = lora.fingerprint(module)
+            module = lora.wrap(module, config["lora"], config["path"])
+            hf.take_packed_rows(module)
+        spec = ModelSpec(kind=self.kind, config=config, vocab_size=vocab_size, max_seq_len=seq_len,
+                         class_name=class_path(module), hf_config=hf_config, tied=tied_parameters(module),
+                         base_weights=base_weights)
         return module, spec
 
     def _new_module(self, config: dict, vocab_size: int, seq_len: int) -> nn.Module:
         return hf.load_causal_lm(config["path"], config.get("attn_implementation", "sdpa"), vocab_size)
+
+    def saves_frozen_weights(self, spec: ModelSpec) -> bool:
+        return not lora.is_enabled(spec.config)  # LoRA: the frozen base is model.path's, fingerprinted
 
     def check_model(self, model: nn.Module, model_cfg: Mapping, seq_len: int, pack: bool) -> None:
         if pack:
@@ -144,13 +172,39 @@ class HFAdapter(ModelAdapter):
 
     def save_final(self, module: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path,
                    spec: ModelSpec) -> None:
-        hf.save_pretrained(module, state_dict, directory)  # exactly a save_pretrained directory
+        """A save_pretrained directory; with model.lora, a PEFT adapter directory (the adapter alone)."""
+        if lora.is_enabled(spec.config):
+            lora.save_adapter(module, state_dict, directory)
+        else:
+            hf.save_pretrained(module, state_dict, directory)  # exactly a save_pretrained directory
 
     def load_final(self, directory: Path, spec: ModelSpec) -> nn.Module:
+        if lora.is_enabled(spec.config):  # what PeftModel.from_pretrained(base, final) gives
+            model = lora.load_adapter(self._base(spec, directory), directory)
+            model.config.use_cache = True
+            return model
         return hf.load_pretrained_dir(directory)
 
     def rebuild(self, spec: ModelSpec) -> nn.Module:
+        """A fresh model of the spec's architecture; with model.lora, model.path's base (checked
+        against the spec's fingerprint) with a fresh adapter."""
+        if lora.is_enabled(spec.config):
+            model = lora.wrap(self._base(spec, spec.config["path"]), spec.config["lora"], spec.config["path"])
+            model.config.use_cache = True
+            return model
         return hf.from_config_dict(spec.hf_config)
+
+    @staticmethod
+    def _base(spec: ModelSpec, what) -> nn.Module:
+        """model.path's base weights, as stored (transformers' dtype="auto"), the same ones the run trained over."""
+        path = Path(spec.config["path"]).expanduser()
+        try:
+            base = hf.load_pretrained_dir(path)
+        except (OSError, ValueError) as error:
+            raise ModelError(f"{what} is a LoRA adapter over model.path={path}, which cannot be loaded: "
+                             f"{str(error).splitlines()[0]}") from None
+        lora.check_fingerprint(base, spec.base_weights, path, str(what))
+        return base
 
 
 class CustomAdapter(ModelAdapter):
@@ -246,11 +300,14 @@ def resolve_target(target: str):
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], spec: ModelSpec, source: Path) -> None:
-    """Load `state` (all weights, tied aliases possibly left out) into `model`, in `state`'s dtype."""
+    """Load `state` (all weights, tied aliases possibly left out, and the frozen ones where the kind
+    restores them: `saves_frozen_weights`) into `model`, in `state`'s dtype."""
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model.to(dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [name for name in missing if name not in spec.tied]
+    restored = set() if adapter_of(spec).saves_frozen_weights(spec) else \
+        {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    missing = [name for name in missing if name not in spec.tied and name not in restored]
     if missing or unexpected:
         raise RuntimeError(f"{source}: the weights do not fit {spec.class_name} (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")

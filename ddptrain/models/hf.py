@@ -93,7 +93,14 @@ def _prepare_for_training(model: nn.Module) -> None:
     model.train()
     # A training forward needs no key/value cache: building one costs memory and time.
     model.config.use_cache = False
-    model.register_forward_pre_hook(_packed_rows_to_hf, with_kwargs=True)
+    take_packed_rows(model)
+
+
+def take_packed_rows(module: nn.Module) -> None:
+    """Let `module` (a transformers model, or a peft model around one) take packed rows: idx,
+    positions and segments become input_ids, position_ids and a 4D attention mask. A wrapper needs
+    its own hook: peft's forward passes unknown keyword arguments on beside input_ids=None."""
+    module.register_forward_pre_hook(_packed_rows_to_hf, with_kwargs=True)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

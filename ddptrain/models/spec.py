@@ -45,6 +45,9 @@ class ModelSpec:
     """kind=hf: the transformers config (to rebuild from a checkpoint without final/)."""
     tied: dict = field(default_factory=dict)
     """Parameter names that alias another parameter (weight tying): alias -> name stored."""
+    base_weights: str | None = None
+    """model.lora: the fingerprint (sha256) of the frozen base weights the adapter trains over; a
+    resume or a load over other base weights is refused."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -258,6 +258,12 @@ class Completion:
     async def text(self) -> str:
         return "".join([piece async for piece in self.deltas()])
 
+    @property
+    def usage(self) -> dict:
+        """Token counts as OpenAI reports them."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
     def _finish(self, reason: str, tokens: int) -> None:
         self.finish_reason, self.completion_tokens = reason, tokens
         self.cancel()  # a stop string ends it before the manager does; after the manager's finish, only forgets it
@@ -319,17 +325,29 @@ class Generator:
         if not isinstance(prompt, str):
             raise RequestError("prompt", f"prompt must be a string, not {type(prompt).__name__}")
         ids = self.tokenizer.encode(prompt).ids
-        if not ids:
-            raise RequestError("prompt", "prompt is empty: the model needs at least one token to continue")
-        if self.context is not None:
-            if len(ids) >= self.context:
-                raise RequestError("prompt", f"prompt is {len(ids)} tokens, longer than the model's context of "
-                                             f"{self.context} positions allows (at most {self.context - 1})")
-            if len(ids) + params.max_tokens > self.context:
-                raise RequestError("max_tokens", f"max_tokens={params.max_tokens} with a prompt of {len(ids)} tokens "
-                                                 f"exceeds the model's context of {self.context} positions; "
-                                                 f"max_tokens must be <= {self.context - len(ids)}")
+        self.check_fits(ids, params)
         return ids
+
+    def check_fits(self, ids: list[int], params: SamplingParams | None, field_name: str = "prompt",
+                   described: str = "prompt") -> None:
+        """RequestError unless the prompt `ids` (and params.max_tokens more; params None: the prompt alone)
+        fit the model's context; `field_name` is the request field the ids came from, `described` what
+        the message calls them."""
+        if not ids:
+            raise RequestError(field_name, f"{described} is empty: the model needs at least one token to continue")
+        if self.context is None:
+            return
+        if len(ids) >= self.context:
+            raise RequestError(field_name, f"{described} is {len(ids)} tokens, longer than the model's context of "
+                                           f"{self.context} positions allows (at most {self.context - 1})")
+        if params is not None and len(ids) + params.max_tokens > self.context:
+            raise RequestError("max_tokens", f"max_tokens={params.max_tokens} with a {described} of {len(ids)} tokens "
+                                             f"exceeds the model's context of {self.context} positions; "
+                                             f"max_tokens must be <= {self.context - len(ids)}")
+
+    def room(self, ids: list[int]) -> int | None:
+        """Tokens that fit after the prompt `ids` in the model's context (None: the context is unknown)."""
+        return None if self.context is None else self.context - len(ids)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Completion:
         """Add a request to the running batch (call on the event loop that ran `start`).

@@ -118,7 +118,7 @@ def _from_run(run_dir: Path) -> Path:
     # Build beside it and rename into place: a reader sees the old or the new directory, never a mix.
     staging = Path(tempfile.mkdtemp(prefix=f".{SERVABLE}.", dir=run_dir))
     try:
-        export(run_dir, staging / "model")
+        export(run_dir, staging / "model", merge=True)  # a LoRA run serves its merged weights
         model_dir = staging / "model"
         if not (model_dir / "tokenizer.json").is_file():
             _add_run_tokenizer(run_dir, model_dir)

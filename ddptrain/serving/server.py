@@ -1,8 +1,9 @@
 """`python -m ddptrain.serve RUN_DIR|MODEL_DIR`: an OpenAI-style completions server with continuous batching.
 
-    POST /v1/completions   prompt, max_tokens, temperature, top_p, seed, stop, stream (server-sent events)
-    GET  /health           200 {"status": "ok", ...} while the decoding loop runs, else 503
-    GET  /v1/models        the one model served
+    POST /v1/completions       prompt, max_tokens, temperature, top_p, seed, stop, stream (server-sent events)
+    POST /v1/chat/completions  messages (rendered with the model's chat template), the same fields
+    GET  /health               200 {"status": "ok", ...} while the decoding loop runs, else 503
+    GET  /v1/models            the one model served
 
 The decoding loop is transformers' continuous batching (ddptrain.serving.generate.Generator) and the HTTP
 stack is the one `transformers serve` uses (FastAPI on uvicorn, the `transformers[serving]`
@@ -12,7 +13,8 @@ max_tokens=-1 with 200, a prompt longer than the context with 500 and malformed 
 (measured with transformers 5.24; docs/serving.md has the whole comparison). Here every field is
 checked (a 400 names the field and the rule), sampling is per request, at most max_active +
 max_queue requests are in flight (more get 429), and a request whose client disconnects stops
-decoding at the next iteration.
+decoding at the next iteration. Both endpoints share the rules, the queue and the batch; they differ
+in the prompt (text, or messages through ddptrain.serving.chat) and the objects they answer with.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route's `request: Request` annotation at
@@ -23,41 +25,91 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
 
+from ddptrain.serving.chat import RENDERED, ChatBodies, ChatTemplate, check_messages
 from ddptrain.serving.generate import (Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams,
-                               quiet_transformers)
+                                       quiet_transformers)
 
 log = logging.getLogger(__name__)
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
 ACCEPTED_FIELDS = ("prompt", "stream", "model", "n", "user", *SAMPLING_FIELDS)
 """Fields of OpenAI's completion request this server takes; any other is a 400 (not silently ignored)."""
+CHAT_FIELDS = ("messages", "stream", "model", "n", "user", "max_completion_tokens", *SAMPLING_FIELDS)
+"""Fields of OpenAI's chat completion request this server takes (max_completion_tokens: max_tokens' newer name)."""
 
 
-def parse_completion_request(raw: bytes) -> tuple[str, SamplingParams, bool]:
-    """(prompt, sampling, stream) of a request body, or RequestError naming the field and the rule."""
+def _read_body(raw: bytes, accepted: tuple[str, ...]) -> dict:
+    """The request body as a dict with the rules both endpoints share, or RequestError naming the field."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError("body", f"the request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise RequestError("body", f"the request body must be a JSON object, not {type(body).__name__}")
-    unknown = sorted(set(body) - set(ACCEPTED_FIELDS))
+    unknown = sorted(set(body) - set(accepted))
     if unknown:
-        raise RequestError(unknown[0], f"unknown field {unknown[0]!r}; this server accepts "
-                                       f"{', '.join(ACCEPTED_FIELDS)}")
-    if "prompt" not in body:
-        raise RequestError("prompt", "prompt is required (a string)")
+        raise RequestError(unknown[0], f"unknown field {unknown[0]!r}; this server accepts {', '.join(accepted)}")
     if body.get("n", 1) != 1:
         raise RequestError("n", f"n={body['n']!r} must be 1 (one completion per request)")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream", f"stream={stream!r} must be true or false")
-    fields = {key: body[key] for key in SAMPLING_FIELDS if key in body and body[key] is not None}
-    return body["prompt"], SamplingParams(**fields), stream
+    if not isinstance(body.get("stream", False), bool):
+        raise RequestError("stream", f"stream={body['stream']!r} must be true or false")
+    return body
+
+
+def _sampling_fields(body: dict) -> dict:
+    return {key: body[key] for key in SAMPLING_FIELDS if key in body and body[key] is not None}
+
+
+def parse_completion_request(raw: bytes) -> tuple[str, SamplingParams, bool]:
+    """(prompt, sampling, stream) of a request body, or RequestError naming the field and the rule."""
+    body = _read_body(raw, ACCEPTED_FIELDS)
+    if "prompt" not in body:
+        raise RequestError("prompt", "prompt is required (a string)")
+    return body["prompt"], SamplingParams(**_sampling_fields(body)), body.get("stream", False)
+
+
+def parse_chat_request(raw: bytes) -> tuple[list[dict], dict, bool]:
+    """(messages, the sampling fields set, stream) of a chat request body, or RequestError naming the
+    field and the rule. The fields become SamplingParams once the prompt's length is known (`chat_params`)."""
+    body = _read_body(raw, CHAT_FIELDS)
+    if "messages" not in body:
+        raise RequestError("messages", "messages is required (a list of {role, content} objects)")
+    messages = check_messages(body["messages"])
+    fields = _sampling_fields(body)
+    newer = body.get("max_completion_tokens")
+    if newer is not None:
+        older = fields.pop("max_tokens", newer)
+        if older != newer:
+            raise RequestError("max_completion_tokens", f"max_completion_tokens={newer!r} and max_tokens={older!r} "
+                                                        "differ; send one (max_tokens is its older name)")
+        fields["max_completion_tokens"] = newer
+    return messages, fields, body.get("stream", False)
+
+
+def chat_params(generator: Generator, prompt_ids: list[int], fields: dict) -> SamplingParams:
+    """The sampling of a chat request whose rendered prompt is `prompt_ids`, or RequestError. As in
+    OpenAI's chat API, without max_tokens it may continue to the end of the context (16 tokens where
+    the context is unknown)."""
+    generator.check_fits(prompt_ids, None, "messages", RENDERED)
+    named = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    fields = dict(fields)
+    if named in fields:
+        fields["max_tokens"] = fields.pop(named)
+    elif generator.room(prompt_ids) is not None:
+        fields["max_tokens"] = generator.room(prompt_ids)
+    try:
+        params = SamplingParams(**fields)
+        generator.check_fits(prompt_ids, params, "messages", RENDERED)
+    except RequestError as error:
+        if error.field == "max_tokens" and named != "max_tokens":  # said with the name the client used
+            raise RequestError(named, re.sub(r"\bmax_tokens\b", named, str(error))) from None
+        raise
+    return params
 
 
 def _error(status: int, message: str, field: str | None = None, kind: str = "invalid_request_error"):
@@ -67,14 +119,26 @@ def _error(status: int, message: str, field: str | None = None, kind: str = "inv
                         status_code=status, headers={"Retry-After": "1"} if status in (429, 503) else None)
 
 
-def _completion_body(completion: Completion, model: str, text: str | None, finish_reason: str | None,
-                     usage: bool) -> dict:
-    body = {"id": completion.id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
-    if usage:
-        body["usage"] = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-                         "total_tokens": completion.prompt_tokens + completion.completion_tokens}
-    return body
+class TextBodies:
+    """OpenAI's text_completion answer and its stream: one chunk per text piece, a last one with
+    finish_reason and usage."""
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def _body(self, completion: Completion, text: str, finish_reason: str | None) -> dict:
+        return {"id": completion.id, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def answer(self, completion: Completion, text: str) -> dict:
+        return {**self._body(completion, text, completion.finish_reason), "usage": completion.usage}
+
+    def opening(self, completion: Completion) -> list[dict]:
+        return []
+
+    def chunk(self, completion: Completion, piece: str, finish_reason: str | None) -> dict:
+        body = self._body(completion, piece, finish_reason)
+        return body if finish_reason is None else {**body, "usage": completion.usage}
 
 
 async def _wait_for_disconnect(request) -> None:
@@ -86,7 +150,7 @@ async def _wait_for_disconnect(request) -> None:
 def build_app(generator: Generator):
     """The FastAPI app; its lifespan starts the generator's decoding loop and closes it."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -111,6 +175,12 @@ def build_app(generator: Generator):
     async def models():
         return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "ddptrain"}]}
 
+    chat_template = ChatTemplate.load(generator.model_dir)
+    if not chat_template.is_available:  # completions still work; chat requests get a 400 that says this
+        log.warning("%s: /v1/chat/completions answers 400", chat_template.unavailable)
+    app.state.chat_template = chat_template
+    text_bodies, chat_bodies = TextBodies(model), ChatBodies(model)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
@@ -118,20 +188,38 @@ def build_app(generator: Generator):
             prompt_ids = generator.prepare(prompt, params)
         except RequestError as error:
             return _error(400, str(error), error.field)
+        return await _answer(request, generator, prompt_ids, params, stream, text_bodies)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
         try:
-            completion = generator.submit(prompt_ids, params, stream=stream)
-        except QueueFull as error:
-            return _error(429, f"server busy: {error}; retry later", kind="rate_limit_error")
-        except GenerationError as error:
-            return _error(503, str(error), kind="server_error")
-        if stream:
-            return StreamingResponse(_events(completion, model), media_type="text/event-stream")
-        return await _complete(request, completion, model)
+            messages, fields, stream = parse_chat_request(await request.body())
+            prompt_ids = chat_template.render(messages)
+            params = chat_params(generator, prompt_ids, fields)
+        except RequestError as error:
+            return _error(400, str(error), error.field)
+        return await _answer(request, generator, prompt_ids, params, stream, chat_bodies)
 
     return app
 
 
-async def _complete(request, completion: Completion, model: str):
+async def _answer(request, generator: Generator, prompt_ids: list[int], params: SamplingParams, stream: bool,
+                  bodies: TextBodies | ChatBodies):
+    """Submit the request to the running batch; its answer (or stream) in the objects of `bodies`."""
+    from fastapi.responses import StreamingResponse
+
+    try:
+        completion = generator.submit(prompt_ids, params, stream=stream)
+    except QueueFull as error:
+        return _error(429, f"server busy: {error}; retry later", kind="rate_limit_error")
+    except GenerationError as error:
+        return _error(503, str(error), kind="server_error")
+    if stream:
+        return StreamingResponse(_events(completion, bodies), media_type="text/event-stream")
+    return await _complete(request, completion, bodies)
+
+
+async def _complete(request, completion: Completion, bodies: TextBodies | ChatBodies):
     from fastapi.responses import JSONResponse, Response
 
     text = asyncio.ensure_future(completion.text())
@@ -146,19 +234,21 @@ async def _complete(request, completion: Completion, model: str):
     if not text.done() or text.cancelled():
         return Response(status_code=499)  # nobody reads it
     try:
-        body = _completion_body(completion, model, text.result(), completion.finish_reason, usage=True)
+        body = bodies.answer(completion, text.result())
     except GenerationError as error:
         return _error(500, str(error), kind="server_error")
     return JSONResponse(body)
 
 
-async def _events(completion: Completion, model: str):
+async def _events(completion: Completion, bodies: TextBodies | ChatBodies):
     """Server-sent events as OpenAI streams them: text chunks, a last chunk with the finish reason
     and usage, then `data: [DONE]`. A client that disconnects cancels the stream, and the request."""
     try:
+        for chunk in bodies.opening(completion):
+            yield f"data: {json.dumps(chunk)}\n\n"
         async for piece in completion.deltas():
-            yield f"data: {json.dumps(_completion_body(completion, model, piece, None, usage=False))}\n\n"
-        yield f"data: {json.dumps(_completion_body(completion, model, '', completion.finish_reason, usage=True))}\n\n"
+            yield f"data: {json.dumps(bodies.chunk(completion, piece, None))}\n\n"
+        yield f"data: {json.dumps(bodies.chunk(completion, '', completion.finish_reason))}\n\n"
     except GenerationError as error:
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error', 'code': 500}})}\n\n"
     finally:
@@ -168,7 +258,8 @@ async def _events(completion: Completion, model: str):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ddptrain.serve",
-                                     description="Serve a trained model over HTTP (OpenAI-style /v1/completions) "
+                                     description="Serve a trained model over HTTP (OpenAI-style /v1/completions and "
+                                                 "/v1/chat/completions) "
                                                  "with continuous batching.")
     parser.add_argument("path", type=Path, help="a ddptrain run directory or a transformers model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")

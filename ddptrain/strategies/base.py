@@ -51,19 +51,24 @@ class Strategy(abc.ABC):
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
+    save_frozen: bool = True
+    """Whether `save` writes the parameters that do not train (requires_grad False). False where the
+    model's build restores them (model.lora's frozen base): `save` then writes the trained
+    parameters and the optimizer state alone, and `load` expects the frozen ones absent."""
 
     @classmethod
     def from_config(cls, options: dict, layout: StepLayout) -> "Strategy":
         """Built from its config section (a dict without `name`)."""
         return cls(**options)
 
-    def configure(self, *, grad_clip: float | None, precision: str) -> None:
+    def configure(self, *, grad_clip: float | None, precision: str, save_frozen: bool = True) -> None:
         """The Engine's step settings, given before `setup`."""
         if precision not in self.supported_precisions:
             raise ValueError(f"trainer.precision={precision} is not supported by strategy={self.name} "
                              f"(it supports {', '.join(self.supported_precisions)})")
         self.grad_clip = grad_clip
         self.precision = precision
+        self.save_frozen = save_frozen
 
     @abc.abstractmethod
     def setup(self, model: nn.Module, optimizer, device: torch.device) -> None:
@@ -91,8 +96,9 @@ class Strategy(abc.ABC):
         """Drop the accumulated gradients (after a step, or instead of a skipped one)."""
 
     @abc.abstractmethod
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights as CPU tensors, on every rank (collective when sharded)."""
+    def model_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights as CPU tensors, on every rank (collective when sharded);
+        `trainable_only`: only the parameters that train (and the buffers), nothing frozen gathered."""
 
     def nonfinite_weights(self) -> list[str]:
         """Names of this rank's weights (its shards, where sharded) that hold a NaN or inf. Local:
@@ -103,6 +109,19 @@ class Strategy(abc.ABC):
             if local.is_floating_point() and local.numel() and not torch.isfinite(local).all():
                 bad.append(name)
         return bad
+
+    @staticmethod
+    def frozen_names(module: nn.Module) -> set[str]:
+        """State-dict names (every alias) of `module`'s parameters that do not train."""
+        return {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+    @staticmethod
+    def check_loaded(missing: list[str], unexpected: list[str], frozen: set[str], directory: Path) -> None:
+        """After a non-strict load of a checkpoint saved without its frozen parameters: only those may be missing."""
+        missing = [name for name in missing if name not in frozen]
+        if missing or unexpected:
+            raise ValueError(f"{directory}: the saved weights do not fit the model (missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]})")
 
     @staticmethod
     def local_tensor(param: torch.Tensor) -> torch.Tensor:

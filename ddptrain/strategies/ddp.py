@@ -37,7 +37,9 @@ class DDPStrategy(Strategy):
     """DistributedDataParallel in a process group; the bare model in a world of one.
 
     Every rank holds the full weights and optimizer state, so a checkpoint is two files written
-    by rank 0 and resumes on any number of ranks."""
+    by rank 0 and resumes on any number of ranks. Frozen parameters (requires_grad False) get no
+    gradient and no bucket; with `save_frozen` False, model.pt leaves them out (a LoRA
+    checkpoint holds the adapter and its optimizer state)."""
 
     name = "ddp"
     Options = DDPOptions
@@ -85,8 +87,9 @@ class DDPStrategy(Strategy):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self._module.state_dict().items()}
+    def model_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        skip = self.frozen_names(self._module) if trainable_only else set()
+        return {k: v.detach().cpu().clone() for k, v in self._module.state_dict().items() if k not in skip}
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
@@ -98,13 +101,18 @@ class DDPStrategy(Strategy):
         if not is_rank_zero():
             return  # every rank holds the same weights and optimizer state
         directory.mkdir(parents=True, exist_ok=True)
-        save_torch(self.model_state_dict(), directory / MODEL_FILE)
+        save_torch(self.model_state_dict(trainable_only=not self.save_frozen), directory / MODEL_FILE)
         save_torch(self.state_dict(), directory / OPTIMIZER_FILE)
 
     def load(self, directory: Path) -> None:
         if not (directory / MODEL_FILE).is_file():
             raise FileNotFoundError(f"{directory} holds no {MODEL_FILE}: it was not written by strategy=ddp")
-        self._module.load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
+        weights = torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True)
+        if self.save_frozen:
+            self._module.load_state_dict(weights)
+        else:  # the frozen parameters are the model's own (its build restored them)
+            missing, unexpected = self._module.load_state_dict(weights, strict=False)
+            self.check_loaded(missing, unexpected, self.frozen_names(self._module), directory)
         state = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
         self.load_state_dict(state)
 

@@ -287,9 +287,11 @@ class DeepSpeedStrategy(Strategy):
         empty outside a gather); stages 1 and 2 hold the full weights."""
         return getattr(param, "ds_tensor", param).detach()
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights as CPU tensors on every rank; stage 3 gathers each parameter collectively."""
-        state = self._module.state_dict(keep_vars=True)
+    def model_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full weights as CPU tensors on every rank; stage 3 gathers each parameter collectively
+        (with `trainable_only`, only those that train)."""
+        skip = self.frozen_names(self._module) if trainable_only else set()
+        state = {k: v for k, v in self._module.state_dict(keep_vars=True).items() if k not in skip}
         if self.stage < 3:
             return {k: v.detach().cpu().clone() for k, v in state.items()}
         gathered: dict[int, torch.Tensor] = {}  # by id: tied weights are one parameter
@@ -309,7 +311,9 @@ class DeepSpeedStrategy(Strategy):
 
         `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(directory, "zero")`
         turns it into the weights `model_state_dict()` returns."""
-        self.model.save_checkpoint(str(directory), tag=TAG, client_state={})
+        # save_frozen False: DeepSpeed leaves the frozen parameters (and their ZeRO-2/3 fragments) out.
+        self.model.save_checkpoint(str(directory), tag=TAG, client_state={},
+                                   exclude_frozen_parameters=not self.save_frozen)
         if get_rank() == 0:
             (Path(directory) / LAYOUT_FILE).write_text(json.dumps({"strategy": self.name, "world_size": self._world_size}))
 
@@ -321,8 +325,9 @@ class DeepSpeedStrategy(Strategy):
                              f"cannot be resumed on {self._world_size}: DeepSpeed partitions the optimizer state by "
                              f"rank, and converting it (DeepSpeed's universal checkpoint) is not supported here; resume "
                              f"on {saved['world_size']} ranks, or use strategy=ddp or fsdp, whose checkpoints reshard")
+        # Saved without the frozen parameters: the module's load cannot be strict (they stay as built).
         path, _ = self.model.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
-                                             load_lr_scheduler_states=False)
+                                             load_lr_scheduler_states=False, load_module_strict=self.save_frozen)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {TAG!r} under {directory}")
 

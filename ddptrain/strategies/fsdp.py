@@ -11,6 +11,10 @@ backward gathers them again): collectives in every microbatch, so ranks with few
 run fillers (the Engine does). The global gradient norm is computed from the sharded gradients
 (DTensors) and clipping scales the shards. Checkpoints are torch.distributed.checkpoint (DCP)
 directories: each rank writes its shards, and a run saved on N ranks resumes on M.
+
+Frozen parameters (model.lora's base) are sharded like the others and get no gradient; a shard
+unit may mix frozen and trained ones (FSDP2 allows it). With `save_frozen` False, checkpoints
+leave them out (DCP's `ignore_frozen_params`): the adapter and its optimizer state only.
 """
 
 from __future__ import annotations
@@ -106,27 +110,39 @@ class FSDPStrategy(Strategy):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights on every rank (each sharded tensor all-gathered once)."""
+    def model_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full weights on every rank (each sharded tensor all-gathered once; frozen ones not at all
+        with `trainable_only`)."""
+        skip = self.frozen_names(self.model) if trainable_only else set()
         out = {}
         for name, value in self.model.state_dict().items():
+            if name in skip:
+                continue
             full = value.full_tensor() if isinstance(value, DTensor) else value
             out[name] = full.detach().cpu().clone()
         return out
 
+    def _state_options(self) -> StateDictOptions:
+        # Without the frozen parameters (save_frozen False: the model's build restores them), the
+        # load cannot be strict; `load` checks that only they are missing.
+        return StateDictOptions(ignore_frozen_params=not self.save_frozen, strict=self.save_frozen)
+
     def save(self, directory: Path) -> None:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
 
     def load(self, directory: Path) -> None:
         if not (Path(directory) / ".metadata").is_file():
             raise FileNotFoundError(f"{directory} is not a torch.distributed.checkpoint directory written by "
                                     "strategy=fsdp (no .metadata)")
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        options = self._state_options()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(directory))  # reshards: any number of ranks may read it
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=StateDictOptions(strict=True))
+        result = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                                optim_state_dict=state["optimizer"], options=options)
+        if not self.save_frozen:
+            self.check_loaded(result.missing_keys, result.unexpected_keys, self.frozen_names(self.model), directory)
 
     @staticmethod
     def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -81,6 +81,11 @@ def build_model(cfg, vocab_size: int) -> tuple[nn.Module, ModelSpec, ModelAdapte
     adapter = adapter_for(model_cfg)
     model, spec = adapter.build(model_cfg, vocab_size, cfg.batch.seq_len)
     adapter.check_model(model, model_cfg, cfg.batch.seq_len, cfg.batch.pack)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if trainable < total:  # model.lora: only the adapter trains
+        log.info("model: %d of %d parameters train (%.3g%%); checkpoints and final/ hold %s", trainable, total,
+                 100 * trainable / total, "those alone" if not adapter.saves_frozen_weights(spec) else "all")
     if cfg.trainer.activation_checkpointing:
         adapter.enable_activation_checkpointing(model)
     if cfg.trainer.compile:
@@ -116,6 +121,8 @@ def describe_layout(cfg, world_size: int) -> str:
     budget = (f"microbatches of <= {batch.micro_tokens} padded tokens" if batch.micro_tokens
               else f"{batch.micro_size} rows per microbatch")
     packed = f"packed rows of {batch.seq_len} tokens, " if batch.pack else ""
+    if batch.pack and cfg.data.name == "sft":
+        packed = f"each step's conversations packed whole into rows of <= {batch.seq_len} tokens, "
     return f"{packed}{budget}, world {world_size}"
 
 
@@ -135,5 +142,6 @@ def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, preci
     engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
                     precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
                     device=device or dist_info.device, objective=objective_of(cfg),
-                    strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)})
+                    strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
+                    save_frozen=adapter.saves_frozen_weights(spec))
     return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine)

@@ -27,7 +27,8 @@ from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.checkpoint import STRATEGY_DIR
 from ddptrain.train.faults import FaultInjector
 from ddptrain.train.final import SPEC_FILE, final_dir, save_final
-from ddptrain.train.resume import SCHEDULE_KEYS, check_config, defaults_of, reset_learning_rate
+from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, model_defaults,
+                                   reset_learning_rate)
 from ddptrain.train.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
 
 log = logging.getLogger(__name__)
@@ -92,13 +93,16 @@ class Checkpointer:
         state = ckpt.load_trainer_state(path)
         state["path"] = path
         current = OmegaConf.to_container(self.cfg, resolve=True)
-        self.config_changes = check_config(state.get("config", {}), current, defaults_of(TrainConfig))
+        defaults = {**defaults_of(TrainConfig), **model_defaults(current.get("model", {}))}
+        self.config_changes = check_config(state.get("config", {}), current, defaults)
         return state
 
-    def restore(self, state: dict, engine: Engine, samples_seen: Callable[[int], int]) -> None:
+    def restore(self, state: dict, engine: Engine, samples_seen: Callable[[int], int], spec: ModelSpec) -> None:
         """Load the checkpoint `saved_state` found into `engine` and this rank's RNG; check the data
-        cursor against the step (`samples_seen(step)`: the global-batch plan's count)."""
+        cursor against the step (`samples_seen(step)`: the global-batch plan's count) and the base
+        weights a LoRA adapter trains over against the ones `spec` was built on."""
         path = state["path"]
+        check_base_weights(state.get("model_spec", {}), spec, path)
         try:
             engine.load(path / STRATEGY_DIR)
         except (ValueError, FileNotFoundError) as error:  # a checkpoint this world or strategy cannot read
@@ -163,7 +167,7 @@ class Checkpointer:
         path = final_dir(self.run_dir)
         if self.final_is_current(step):  # a preemption right after the last step's save
             return path
-        state = engine.model_state_dict()
+        state = engine.model_state_dict(trainable_only=not adapter.saves_frozen_weights(spec))  # LoRA: the adapter
         error = None
         if is_rank_zero():
             try:

@@ -19,7 +19,10 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group is left out (a LoRA adapter has matrices only): ZeRO-3 drops empty groups from
+    # the optimizer, and the LR schedule must see the groups the optimizer keeps.
+    groups = [{"params": params, "weight_decay": decay_rate}
+              for params, decay_rate in ((decay, weight_decay), (no_decay, 0.0)) if params]
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
     if name == "sgd":

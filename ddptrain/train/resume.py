@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from ddptrain.config.choices import STRATEGIES
+from ddptrain.config.schema import MODEL_SCHEMAS
 from ddptrain.train.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,27 @@ def check_config(saved: dict, current: dict, defaults: dict) -> list[tuple[str, 
 
 def defaults_of(schema) -> dict[str, Any]:
     return _flatten(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
+
+
+def model_defaults(model: dict) -> dict[str, Any]:
+    """The defaults of the model kind's own keys, as `model.<key>` (a checkpoint written before a
+    key existed, e.g. model.lora, counts as its default); none for a `_target_` factory."""
+    schema = MODEL_SCHEMAS.get(model.get("name")) if "_target_" not in model else None
+    if schema is None:
+        return {}
+    return {f"model.{key}": value for key, value in defaults_of(schema).items() if value != "???"}
+
+
+def check_base_weights(saved_spec: dict, spec, path) -> None:
+    """A CheckpointError when a LoRA checkpoint's base weights (ModelSpec.base_weights, a sha256) are
+    not the ones this run built its model on: the adapter would continue over another model."""
+    saved = saved_spec.get("base_weights")
+    if saved is not None and saved != spec.base_weights:
+        found = spec.base_weights[:12] + "..." if spec.base_weights else "none"
+        raise CheckpointError(f"{path}: its LoRA adapter was trained over other base weights than those now at "
+                              f"model.path={spec.config.get('path')} (sha256 {found}, the checkpoint's "
+                              f"{saved[:12]}...); resume with the original base weights at that path, or start a "
+                              "new run (another run.dir, or checkpoint.resume=none)")
 
 
 def reset_learning_rate(scheduler, lr: float) -> None:

@@ -40,5 +40,9 @@ def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, 
              "in %d steps) | validation %d examples", cfg.data.name, train.documents, len(train),
              train.valid_targets(), mean_targets, cfg.trainer.max_steps * cfg.batch.global_size / len(train),
              cfg.trainer.max_steps, len(built.data.val))
+    if train.is_conversations:  # data=sft: only assistant (completion) tokens are targets
+        targets, positions = train.targets_per_example(), int((train.lengths - 1).sum())
+        log.info("targets per example: mean %.1f, min %d, max %d | %.1f%% of the %d input positions are targets",
+                 targets.mean(), targets.min(), targets.max(), 100.0 * targets.sum() / positions, positions)
     log.info("run dir: %s | steps %d..%d | wandb %s%s", Path(cfg.run.dir).resolve(), step, cfg.trainer.max_steps,
              cfg.logger.wandb.mode, f" (run id {metrics.run_id})" if metrics.run_id else "")

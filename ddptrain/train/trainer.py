@@ -99,7 +99,7 @@ class Trainer:
         self.built = builder.build(cfg, self.dist)
         log_equivalence_caveats(self.built.model)  # batch-dependent or stochastic modules: rank 0 warns once
         if saved:
-            self.checkpointer.restore(saved, self.engine, self.train_batches.plan.samples_seen)
+            self.checkpointer.restore(saved, self.engine, self.train_batches.plan.samples_seen, self.built.spec)
             self.state.load_state_dict(saved)
         self.evaluator = Evaluator(self.built.data.val, cfg.trainer.eval_examples, cfg.batch.micro_size,
                                    cfg.trainer.eval_every, cfg.trainer.max_steps, self.dist)

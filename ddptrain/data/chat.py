@@ -1,0 +1,174 @@
+"""Chat tokenizers and templates for data=sft: token ids and a target mask for each example.
+
+The tokenizer is what transformers' AutoTokenizer loads from the directory of `data.tokenizer`
+(a tokenizer.json beside its tokenizer_config.json: the EOS token, and the chat template from
+chat_template.jinja or tokenizer_config.json), or `data.chat_template=PATH` instead of its template.
+`mask[i] == 1` says token i is a target (predicted from the tokens before it).
+
+- A template that marks assistant text with `{% generation %}`: the mask IS transformers'
+  `return_assistant_tokens_mask` (the template decides whether its end-of-turn token is inside).
+- A template without markers: the conversation is rendered message by message. The text of the
+  first k messages must be a prefix of the whole conversation's text and its tokens a prefix of
+  the whole conversation's tokens, for every k: the messages then tile the tokens exactly. An
+  assistant message's span starts after the generation prompt (its header: the first k messages
+  rendered with `add_generation_prompt`) and ends at its end-of-turn token, the last special
+  token of the span (a separator after it, like ChatML's newline, is not a target). A template
+  that cannot be split this way is refused, naming the conversation and the message.
+- Prompt-completion strings, with or without a template: prompt tokens (with the tokenizer's own
+  special tokens, e.g. BOS), completion tokens, then EOS; the completion and EOS are the targets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from ddptrain.data.sources import DataError
+
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+_NO_SPLIT_HINT = "give a template that marks assistant text with {% generation %} (data.chat_template=PATH)"
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
+    try:
+        import transformers
+    except ImportError:
+        raise DataError("data=sft needs transformers: pip install 'ddptrain[hf]'") from None
+    return transformers
+
+
+class ChatTokenizer:
+    """A transformers tokenizer with an EOS token, and the chat template that renders conversations."""
+
+    needs_text = True
+
+    def __init__(self, spec: str | None, chat_template: str | None = None):
+        if spec in (None, "byte"):
+            raise DataError("data=sft needs a real tokenizer with an EOS token, not the byte tokenizer: use model=hf "
+                            "with a tokenizer in model.path, or data.tokenizer=<dir>/tokenizer.json")
+        transformers = _transformers()
+        self.path = Path(spec).expanduser()
+        if not self.path.is_file():
+            raise DataError(f"data.tokenizer: {self.path} is not a file (data=sft expects a tokenizer.json, read "
+                            "with the tokenizer_config.json beside it)")
+        directory = self.path.parent
+        if (directory / "tokenizer_config.json").is_file():
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            self.files = [directory / name for name in _TOKENIZER_FILES if (directory / name).is_file()]
+        else:
+            self.tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(self.path))
+            self.files = [self.path]
+        if self.tokenizer.eos_token_id is None:
+            raise DataError(f"data.tokenizer: {self.path} has no EOS token (eos_token in tokenizer_config.json): "
+                            "data=sft ends every completion with it")
+        self.template = self._template(chat_template)
+        self.has_generation_markers = bool(self.template and _GENERATION.search(self.template))
+        self.vocab_size = len(self.tokenizer)
+        self.name = str(self.path)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
+        self.special_ids = set(self.tokenizer.all_special_ids) | {i for i, t in decoder.items() if t.special}
+        self._version = transformers.__version__
+
+    def _template(self, path: str | None) -> str | None:
+        if path is not None:
+            file = Path(path).expanduser()
+            if not file.is_file():
+                raise DataError(f"data.chat_template: {file} is not a file (a Jinja chat template)")
+            return file.read_text(encoding="utf-8")
+        try:
+            return self.tokenizer.get_chat_template()
+        except ValueError:  # transformers: "Cannot use chat template functions because ... not set"
+            return None
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(self._version.encode())
+        for file in self.files:
+            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+        digest.update((self.template or "").encode("utf-8"))
+        return "chat:" + digest.hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # -- prompt-completion strings -------------------------------------------------------------------
+
+    def prompt_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+        """Prompt tokens (the tokenizer's special tokens included), completion tokens, EOS."""
+        prompt_ids = list(self.tokenizer(prompt)["input_ids"])
+        completion_ids = self.encode(completion) + [self.eos_id]
+        return prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
+
+    # -- conversations -------------------------------------------------------------------------------
+
+    def conversation(self, name: str, messages: list[dict], first_target: int) -> tuple[list[int], list[int]]:
+        """(ids, mask) of a conversation whose assistant messages from index `first_target` on are targets."""
+        if self.template is None:
+            raise DataError(f"{name}: the tokenizer {self.path} has no chat template (chat_template.jinja or "
+                            "tokenizer_config.json), needed for conversations; give data.chat_template=PATH")
+        if self.has_generation_markers:
+            rendered = self._apply(name, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
+            if first_target:
+                text = self._apply(name, messages)
+                start = self._prefix_tokens(name, messages[:first_target], text, ids, "")
+                mask[:start] = [0] * start
+            return ids, mask
+        return self._split_by_prefixes(name, messages, first_target)
+
+    def _apply(self, name: str, messages: list[dict], **kwargs):
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template,
+                                                      **{"tokenize": False, **kwargs})
+        except Exception as error:  # a Jinja error, or the template's own raise_exception(...)
+            raise DataError(f"{name}: the chat template failed to render the conversation: "
+                            f"{type(error).__name__}: {error}") from None
+
+    def _prefix_tokens(self, name: str, prefix: list[dict], text: str, ids: list[int], what: str,
+                       generation_prompt: bool = False) -> int:
+        """How many of the whole conversation's tokens the first len(prefix) messages render to."""
+        if not prefix:
+            return 0
+        prefix_text = self._apply(name, prefix, add_generation_prompt=generation_prompt)
+        where = f"the first {len(prefix)} message(s){what}"
+        if not text.startswith(prefix_text):
+            at = next((i for i, (a, b) in enumerate(zip(prefix_text, text)) if a != b), min(len(prefix_text), len(text)))
+            raise DataError(f"{name}: the chat template cannot be split into messages: {where} render to text that is "
+                            f"not a prefix of the whole conversation's (they differ at character {at}); {_NO_SPLIT_HINT}")
+        prefix_ids = self.encode(prefix_text)
+        if ids[: len(prefix_ids)] != prefix_ids:
+            raise DataError(f"{name}: the chat template cannot be split into messages: {where} tokenize differently "
+                            f"from the start of the whole conversation (a token spans the boundary); {_NO_SPLIT_HINT}")
+        return len(prefix_ids)
+
+    def _split_by_prefixes(self, name: str, messages: list[dict], first_target: int) -> tuple[list[int], list[int]]:
+        text = self._apply(name, messages)
+        ids = self.encode(text)
+        mask = [0] * len(ids)
+        # Every message's end is a token boundary of the whole: the messages tile its tokens.
+        ends = [self._prefix_tokens(name, messages[: k + 1], text, ids, "") for k in range(len(messages) - 1)]
+        ends.append(len(ids))
+        for k, message in enumerate(messages):
+            if k < first_target or message["role"] != "assistant":
+                continue
+            start = self._prefix_tokens(name, messages[:k], text, ids, " with the generation prompt",
+                                        generation_prompt=True)
+            if start > ends[k]:
+                raise DataError(f"{name}: the chat template cannot be split into messages: the generation prompt "
+                                f"before message {k + 1} is longer than the message; {_NO_SPLIT_HINT}")
+            end = self._end_of_turn(ids, start, ends[k])
+            mask[start:end] = [1] * (end - start)
+        return ids, mask
+
+    def _end_of_turn(self, ids: list[int], start: int, end: int) -> int:
+        """The span's end through its end-of-turn token (its last special token) when only a
+        separator (whitespace, like ChatML's newline) follows it; else the message's end."""
+        closing = [i for i in range(start, end) if ids[i] in self.special_ids]
+        if closing and not self.tokenizer.decode(ids[closing[-1] + 1 : end]).strip():
+            return closing[-1] + 1
+        return end

@@ -1,0 +1,132 @@
+"""model.lora: a LoRA adapter through peft (the library made for it) over a frozen model=hf base.
+
+    model = wrap(base, lora_cfg, base_path)       # peft's PeftModelForCausalLM: only lora_A / lora_B train
+    save_adapter(model, state_dict, directory)    # a PEFT adapter directory: adapter_config.json + weights
+    load_adapter(base, directory)                 # what peft.PeftModel.from_pretrained(base, directory) gives
+
+peft wraps every targeted linear layer in a `lora.Linear` that computes `W x + (alpha / r) B A x`
+with A (r x in) random and B (out x r) zero at the start, so training starts from the base's
+function, and freezes every other parameter (`requires_grad=False`): the optimizer holds only A
+and B, and DDP, FSDP and ZeRO reduce only their gradients. The frozen base is rebuilt from
+model.path, never saved again: checkpoints and final/ hold the adapter (and its optimizer state)
+alone. `fingerprint(base)` is what says the base is the same one: a resume or a load over other
+base weights is refused.
+
+peft is optional (`pip install 'ddptrain[hf]'`) and imported only here, when model.lora.r > 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddptrain.models.spec import ModelError
+
+ALL_LINEAR = "all-linear"
+"""peft's name for every linear layer but the output head: attention and MLP projections."""
+
+
+def is_enabled(model_cfg: Mapping) -> bool:
+    """Whether the `model` config section asks for LoRA (model.lora.r > 0)."""
+    lora = model_cfg.get("lora") or {}
+    return bool(lora.get("r"))
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise ModelError("model.lora.r > 0 needs peft: pip install 'ddptrain[hf]'") from None
+    return peft
+
+
+def fingerprint(base: nn.Module) -> str:
+    """sha256 of the base weights: every state-dict entry's name, shape and values (floating ones as
+    fp32, so a base stored in bf16 and loaded in fp32 for training has the fingerprint it has loaded
+    in bf16). Hashes each tensor's bytes in place; about a second per GB."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(base.state_dict().items()):
+        values = tensor.detach()
+        if values.is_floating_point():
+            values = values.to(torch.float32)
+        values = values.cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{values.dtype}\n".encode())
+        digest.update(values.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def check_fingerprint(base: nn.Module, expected: str | None, path: str | Path, what: str) -> None:
+    """A ModelError when the base at `path` is not the one the adapter of `what` was trained on."""
+    if expected is None:
+        return
+    found = fingerprint(base)
+    if found != expected:
+        raise ModelError(f"{what} is a LoRA adapter trained over other base weights than those now at "
+                         f"model.path={path} (sha256 {found[:12]}..., trained on {expected[:12]}...); put the "
+                         "original base weights back at that path")
+
+
+def wrap(base: nn.Module, lora_cfg: Mapping, base_path: str | Path) -> nn.Module:
+    """`base` with a LoRA adapter on model.lora.target_modules; every base parameter frozen."""
+    peft = _peft()
+    targets = lora_cfg.get("target_modules") or ALL_LINEAR
+    targets = targets if isinstance(targets, str) else [str(name) for name in targets]
+    config = peft.LoraConfig(r=int(lora_cfg["r"]), lora_alpha=float(lora_cfg.get("alpha", 16.0)),
+                             lora_dropout=float(lora_cfg.get("dropout", 0.0)), target_modules=targets,
+                             task_type="CAUSAL_LM")
+    try:
+        with _quiet():
+            model = peft.get_peft_model(base, config)
+    except ValueError as error:  # "Target modules {...} not found in the base model"
+        raise ModelError(f"model.lora.target_modules={targets!r}: {str(error).splitlines()[0]}") from None
+    # Where PeftModel.from_pretrained(final) and AutoPeftModelForCausalLM find the base: absolute,
+    # so final/ loads from any working directory.
+    model.peft_config["default"].base_model_name_or_path = str(Path(base_path).expanduser().resolve())
+    return model
+
+
+@contextlib.contextmanager
+def _quiet():
+    """peft still asks transformers 5 for `is_gradient_checkpointing` (deprecated, renamed): not the user's to fix."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(parameters that train, all parameters)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
+    """A PEFT adapter directory of `state_dict`'s adapter weights (the wrapped model's names;
+    frozen base weights may be absent): adapter_config.json, adapter_model.safetensors."""
+    # save_embedding_layers=False: "auto" would look for the base's config.json on the Hub.
+    model.save_pretrained(directory, state_dict=state_dict, save_embedding_layers=False)
+
+
+def load_adapter(base: nn.Module, directory: Path) -> nn.Module:
+    """peft.PeftModel.from_pretrained(base, directory), on the CPU (peft would pick a GPU)."""
+    peft = _peft()
+    with _quiet():
+        return peft.PeftModel.from_pretrained(base, directory, is_trainable=False, torch_device="cpu")
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """The base model with each adapter folded into its weight (W + (alpha / r) B A): a plain
+    transformers model (peft's merge_and_unload)."""
+    return model.merge_and_unload()
+
+
+def is_adapted(model: nn.Module) -> bool:
+    """Whether `model` is a peft model (an adapter over a base); peft not imported: it cannot be."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)

@@ -1,0 +1,509 @@
+"""data=sft: chats and prompt-completion pairs as whole examples whose only targets are assistant
+(completion) tokens; masks equal to transformers' own, exact over layouts, budgets and packing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ddptrain.config import DataConfig
+from ddptrain.config.compose import compose_config
+from ddptrain.config.schema import ConfigError
+from ddptrain.config.validation import validate
+from ddptrain.data import DataError, TrainBatches, load_splits
+from ddptrain.data.chat import ChatTokenizer
+from ddptrain.data.packing import best_fit_decreasing
+from ddptrain.data.plan import GlobalBatchPlan
+from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
+from ddptrain.models import GPT, GPTConfig
+from tests.helpers import import_optional, read_metrics, run_cli
+
+transformers = import_optional("transformers")
+tokenizers = import_optional("tokenizers")
+
+WORDS = ("the a of to and is in it you that he was for on are with as I his they be at one have this from or had "
+         "by hot word but what some we can out other were all there when up use your how said an each she which do "
+         "their time if will way about many then them write would like so these her long make thing see him two has "
+         "look more day could go come did number sound no most people my over know water than call first who may "
+         "down side been now find hello there fine answer question sure thanks").split()
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<eos>"]
+# ChatML with the assistant's content and end-of-turn token inside {% generation %}, the newline after it outside.
+MARKED = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+          "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+PLAIN = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+# Renders the last message differently from the same message followed by others: no prefix split.
+UNSPLITTABLE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+                "{% if loop.last %}{{ '<eos>' }}{% else %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}")
+SEQ = 128
+
+
+def _tokenizer_dir(directory, template: str | None = MARKED):
+    """A BPE tokenizer trained here (no hub), as transformers saves it: tokenizer.json, tokenizer_config.json
+    (EOS <eos>) and chat_template.jinja."""
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIAL,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    corpus = [" ".join(WORDS), "system\nuser\nassistant\n"] + [" ".join(random.Random(i).sample(WORDS, 12))
+                                                               for i in range(300)]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+    if template is not None:
+        fast.chat_template = template
+    directory.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(directory)
+    return directory
+
+
+def _sentence(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+
+def _chats(count: int, seed: int = 0) -> list[dict]:
+    """Multi-turn chats whose assistant replies are 1 to 24 words: targets per chat differ widely."""
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(count):
+        messages = [{"role": "system", "content": _sentence(rng, 2, 6)}] if rng.random() < 0.4 else []
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            messages.append({"role": "user", "content": _sentence(rng, 2, 8)})
+            messages.append({"role": "assistant", "content": _sentence(rng, 1, 1 if rng.random() < 0.4 else 14)})
+        chats.append({"messages": messages})
+    return chats
+
+
+def _write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
+
+
+def _cfg(tmp_path, paths, tokenizer_dir, **settings) -> DataConfig:
+    return DataConfig(name="sft", paths=[str(p) for p in paths], tokenizer=str(tokenizer_dir / "tokenizer.json"),
+                      cache_dir=str(tmp_path / "cache"), **settings)
+
+
+def _load(tmp_path, records, tokenizer_dir=None, seq_len=SEQ, **settings):
+    tokenizer_dir = tokenizer_dir or _tokenizer_dir(tmp_path / "tok")
+    path = _write_jsonl(tmp_path / "c.jsonl", records)
+    return load_splits(_cfg(tmp_path, [path], tokenizer_dir, val_percent=0.0, **settings), seq_len)
+
+
+def _all(examples):
+    """(ids, targets) of every example of a split, one list each."""
+    out = []
+    for index in range(len(examples)):
+        inputs, targets = examples.collate(np.array([index]))
+        out.append((inputs[0].tolist(), targets[0].tolist()))
+    return out
+
+
+def _reference(tokenizer, messages) -> tuple[list[int], list[int]]:
+    """transformers' own ids and assistant mask, as the labels of a next-token step."""
+    rendered = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = rendered["input_ids"], rendered["assistant_masks"]
+    return ids[:-1], [token if keep else IGNORE_INDEX for token, keep in zip(ids[1:], mask[1:])]
+
+
+# -- masks --------------------------------------------------------------------------------------
+
+
+def test_the_mask_of_a_marked_template_is_transformers_assistant_mask(tmp_path):
+    directory = _tokenizer_dir(tmp_path / "tok")
+    chats = _chats(30)
+    data = _load(tmp_path, chats, directory, seq_len=400)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    got = _all(data.train) + _all(data.val)
+    assert len(got) == len(chats)
+    assert got == [_reference(hf, chat["messages"]) for chat in chats]
+    eot, newline = hf.convert_tokens_to_ids("<|im_end|>"), hf.encode("\n", add_special_tokens=False)
+    for chat, (_, targets) in zip(chats, got):  # each assistant turn ends with its end-of-turn token, not the newline
+        valid = [t for t in targets if t != IGNORE_INDEX]
+        assistant_turns = sum(m["role"] == "assistant" for m in chat["messages"])
+        assert valid[-1] == eot and valid.count(eot) == assistant_turns and newline[0] not in valid
+
+
+def test_a_template_without_markers_gives_the_same_spans_from_its_prefixes(tmp_path):
+    directory = _tokenizer_dir(tmp_path / "tok")
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    chats = _chats(30, seed=1)
+    plain = _load(tmp_path, chats, directory, seq_len=400, chat_template=str(tmp_path / "plain.jinja"))
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    assert not ChatTokenizer(str(directory / "tokenizer.json"), str(tmp_path / "plain.jinja")).has_generation_markers
+    assert _all(plain.train) + _all(plain.val) == [_reference(hf, chat["messages"]) for chat in chats]
+
+
+def test_a_template_that_cannot_be_split_into_messages_is_refused(tmp_path):
+    (tmp_path / "bad.jinja").write_text(UNSPLITTABLE)
+    with pytest.raises(DataError, match=r"c.jsonl:1: the chat template cannot be split into messages: the first 1 "
+                                         r"message\(s\) render to text that is not a prefix .* \{% generation %\}"):
+        _load(tmp_path, _chats(3), chat_template=str(tmp_path / "bad.jinja"))
+
+
+@pytest.mark.parametrize("template", ["marked", "plain"])
+def test_last_assistant_trains_on_the_final_turn_only(tmp_path, template):
+    directory = _tokenizer_dir(tmp_path / "tok")
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    extra = {"chat_template": str(tmp_path / "plain.jinja")} if template == "plain" else {}
+    chat = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine thanks"},
+                         {"role": "user", "content": "what time"}, {"role": "assistant", "content": "the first day"}]}
+    data = _load(tmp_path, [chat, chat], directory, train_on="last_assistant", **extra)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    _, targets = _all(data.train)[0]
+    assert [t for t in targets if t != IGNORE_INDEX] == hf.encode("the first day", add_special_tokens=False) + \
+        [hf.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_prompt_completion_strings_target_exactly_the_completion_and_eos(tmp_path):
+    directory = _tokenizer_dir(tmp_path / "tok", template=None)  # no chat template needed
+    pairs = [{"prompt": "what is the answer", "completion": " the answer is water"},
+             {"prompt": "say hello", "completion": " hello there"}]
+    data = _load(tmp_path, pairs, directory)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    for pair, (inputs, targets) in zip(pairs, _all(data.train) + _all(data.val)):
+        prompt, completion = hf.encode(pair["prompt"]), hf.encode(pair["completion"], add_special_tokens=False)
+        assert inputs + [hf.eos_token_id] == prompt + completion + [hf.eos_token_id]
+        assert targets == [IGNORE_INDEX] * (len(prompt) - 1) + completion + [hf.eos_token_id]
+
+
+def test_conversational_prompt_completion_targets_the_completion_turns(tmp_path):
+    directory = _tokenizer_dir(tmp_path / "tok")
+    record = {"prompt": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello there"},
+                         {"role": "user", "content": "how are you"}],
+              "completion": [{"role": "assistant", "content": "fine thanks"}]}
+    data = _load(tmp_path, [record, record], directory)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    _, targets = _all(data.train)[0]
+    assert [t for t in targets if t != IGNORE_INDEX] == hf.encode("fine thanks", add_special_tokens=False) + \
+        [hf.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_the_format_is_told_by_the_fields_or_forced(tmp_path):
+    directory = _tokenizer_dir(tmp_path / "tok")
+    mixed = [*_chats(2), {"prompt": "say hello", "completion": " hello there"}]
+    both = _load(tmp_path, mixed, directory)
+    assert len(both.train) + len(both.val) == 3
+    with pytest.raises(DataError, match=r"c.jsonl:3: no field 'messages' \(data.messages_field\); the record has "
+                                         r"\['completion', 'prompt'\]"):
+        _load(tmp_path, mixed, directory, format="messages")
+    renamed = [{"chat": chat["messages"]} for chat in _chats(3)]
+    assert len(_load(tmp_path, renamed, directory, messages_field="chat").train) == 2
+    pairs = [{"q": "say hello", "a": " hello there"}] * 3
+    assert len(_load(tmp_path, pairs, directory, prompt_field="q", completion_field="a").train) == 2
+
+
+def test_a_hugging_face_dataset_gives_the_same_examples_as_jsonl(tmp_path):
+    datasets = import_optional("datasets")
+    directory = _tokenizer_dir(tmp_path / "tok")
+    chats = _chats(12, seed=3)
+    from_jsonl = _load(tmp_path, chats, directory)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(chats).save_to_disk(str(saved))
+    from_disk = load_splits(_cfg(tmp_path, [saved], directory, val_percent=0.0), SEQ)
+    parquet = tmp_path / "chats.parquet"
+    datasets.Dataset.from_list(chats).to_parquet(str(parquet))
+    from_files = load_splits(_cfg(tmp_path, [parquet], directory, val_percent=0.0), SEQ)
+    expected = _all(from_jsonl.train) + _all(from_jsonl.val)
+    assert _all(from_disk.train) + _all(from_disk.val) == expected
+    assert _all(from_files.train) + _all(from_files.val) == expected
+
+
+# -- counting, length, cache --------------------------------------------------------------------
+
+
+def test_valid_targets_count_only_the_masked_in_positions(tmp_path):
+    data = _load(tmp_path, _chats(20, seed=4))
+    train = data.train
+    per_example = train.targets_per_example()
+    assert train.valid_targets() == int(per_example.sum()) < int((train.lengths - 1).sum()) / 2
+    inputs, targets = train.collate(np.arange(len(train)))
+    assert int((targets != IGNORE_INDEX).sum()) == train.valid_targets()
+    assert per_example.max() >= 5 * per_example.min()  # the point of the exact mean: counts differ widely
+
+
+def test_long_examples_are_dropped_cut_or_refused_and_counted(tmp_path, caplog):
+    directory = _tokenizer_dir(tmp_path / "tok")
+    short = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"}]}
+    long_answer = {"messages": [{"role": "user", "content": "hello"},
+                                {"role": "assistant", "content": " ".join(WORDS[:40])}]}
+    long_prompt = {"messages": [{"role": "user", "content": " ".join(WORDS[:40])},
+                                {"role": "assistant", "content": "fine"}]}
+    records = [short, long_answer, long_prompt, short]
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        dropped = _load(tmp_path, records, directory, seq_len=24)
+    assert len(dropped.train) + len(dropped.val) == 2
+    assert "skipped 2 example(s) longer than batch.seq_len + 1 = 25 tokens (data.truncation=drop), e.g. " \
+           f"{tmp_path / 'c.jsonl'}:2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        cut = _load(tmp_path, records, directory, seq_len=24, truncation="right")
+    short_length = int(dropped.train.lengths[0])
+    assert sorted(cut.train.lengths.tolist() + cut.val.lengths.tolist()) == [short_length, short_length, 25]
+    assert "cut 2 example(s) at batch.seq_len + 1 = 25 tokens (data.truncation=right), e.g." in caplog.text
+    assert f"skipped 1 example(s) with no target left after truncation, e.g. {tmp_path / 'c.jsonl'}:3" in caplog.text
+    with pytest.raises(DataError, match=r"c.jsonl:2: the example has \d+ tokens, more than batch.seq_len \+ 1 = 25 "
+                                         r"\(data.truncation=error"):
+        _load(tmp_path, records, directory, seq_len=24, truncation="error")
+
+
+def test_the_cache_keeps_the_mask_and_its_key_has_tokenizer_and_template(tmp_path):
+    directory = _tokenizer_dir(tmp_path / "tok")
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    path = _write_jsonl(tmp_path / "c.jsonl", _chats(10, seed=5))
+
+    def load(**settings):
+        return load_splits(_cfg(tmp_path, [path], directory, val_percent=0.0, **settings), SEQ)
+
+    def entries():
+        return {p for p in (tmp_path / "cache").iterdir() if p.is_dir()}
+
+    first = load()
+    assert len(entries()) == 1 and (next(iter(entries())) / "mask.npy").is_file()
+    again = load()
+    assert _all(again.train) == _all(first.train) and len(entries()) == 1  # reused
+    load(chat_template=str(tmp_path / "plain.jinja"))
+    load(train_on="last_assistant")
+    (directory / "chat_template.jinja").write_text(MARKED + "{# edited #}")  # the tokenizer's own template changed
+    load()
+    assert len(entries()) == 4
+
+
+# -- bad input: the table in docs/data.md --------------------------------------------------------
+
+USER = {"role": "user", "content": "hello"}
+ASSISTANT = {"role": "assistant", "content": "fine"}
+BAD_RECORDS = [
+    ({"messages": [{"content": "hello"}, ASSISTANT]},
+     r"message 1 has no 'role' \(every message needs 'role' and 'content'\)"),
+    ({"messages": [USER, {"role": "assistant"}]}, r"message 2 has no 'content'"),
+    ({"messages": [{"role": "human", "content": "hi"}, ASSISTANT]},
+     r"message 1 has role 'human', which is not one of system, user, assistant, tool"),
+    ({"messages": [USER, {"role": "assistant", "content": [{"type": "text", "text": "fine"}]}]},
+     r"message 2 has 'content' of type list, not a string"),
+    ({"messages": "hello"}, r"field 'messages' is str, not a list of messages"),
+    ({"messages": []}, r"field 'messages' is an empty list, not a list of messages"),
+    ({"prompt": "say hello", "completion": ""}, r"the completion is empty \(field 'completion'\)"),
+    ({"prompt": [USER], "completion": []}, r"the completion is empty"),
+    ({"prompt": [USER], "completion": [USER]}, r"the completion has no assistant message \(roles user\)"),
+    ({"prompt": "say hello", "completion": [ASSISTANT]}, r"the prompt is str and the completion list: both must be"),
+    ({"text": "hello"}, r"neither a conversation \(field 'messages', data.messages_field\) nor a prompt-completion "
+                        r"pair .*; the record has \['text'\]"),
+    ([USER], r"the line is a JSON list, not an object"),
+]
+
+
+@pytest.mark.parametrize("record, message", BAD_RECORDS, ids=[m[:30] for _, m in BAD_RECORDS])
+def test_bad_records_stop_with_the_file_line_and_the_rule(tmp_path, record, message):
+    path = tmp_path / "c.jsonl"
+    with pytest.raises(DataError, match=rf"{path}:2: {message}"):
+        _load(tmp_path, [_chats(1)[0], record])
+    assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name or (p / "meta.json").exists()], \
+        "a failed build leaves nothing half-written in the cache"
+
+
+def test_a_template_that_fails_to_render_is_named(tmp_path):
+    (tmp_path / "strict.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages here') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    chats = [{"messages": [USER, ASSISTANT]}, {"messages": [{"role": "system", "content": "be fine"}, USER, ASSISTANT]}]
+    with pytest.raises(DataError, match=r"c.jsonl:2: the chat template failed to render the conversation: "
+                                         r"\w+: no system messages here"):
+        _load(tmp_path, chats, chat_template=str(tmp_path / "strict.jinja"))
+
+
+def test_a_conversation_without_an_assistant_turn_is_skipped_counted_and_warned(tmp_path, caplog):
+    records = [*_chats(3), {"messages": [USER]}, {"messages": [{"role": "system", "content": "be fine"}, USER]}]
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        data = _load(tmp_path, records)
+    assert len(data.train) + len(data.val) == 3
+    assert f"skipped 2 conversation(s) without an assistant message (nothing to train on), e.g. " \
+           f"{tmp_path / 'c.jsonl'}:4" in caplog.text
+
+
+def test_sft_needs_a_real_tokenizer_with_eos_and_a_template_for_chats(tmp_path):
+    with pytest.raises(DataError, match="data=sft needs a real tokenizer with an EOS token, not the byte tokenizer"):
+        ChatTokenizer("byte")
+    with pytest.raises(ConfigError, match="data=sft needs a real tokenizer .* not data.tokenizer=byte"):
+        validate(compose_config(["data=sft", "data.paths=[c.jsonl]", "data.tokenizer=byte"]), 1)
+    with pytest.raises(ConfigError, match="data.format='chat' is not one of auto, messages, prompt_completion"):
+        validate(compose_config(["data=sft", "data.paths=[c.jsonl]", "data.format=chat"]), 1)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0}, unk_token="a")).save(str(bare / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"has no EOS token \(eos_token in tokenizer_config.json\)"):
+        ChatTokenizer(str(bare / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"c.jsonl:1: the tokenizer .* has no chat template .* data.chat_template=PATH"):
+        _load(tmp_path, _chats(2), _tokenizer_dir(tmp_path / "untemplated", template=None))
+
+
+# -- packing that keeps the step's sample ---------------------------------------------------------
+
+
+def test_best_fit_decreasing_packs_whole_items_into_few_rows():
+    sizes = np.array([5, 9, 2, 7, 3, 3, 8, 1])
+    rows = best_fit_decreasing(np.arange(8) + 100, sizes, capacity=10)
+    assert sorted(int(i) for row in rows for i in row) == list(range(100, 108))
+    assert all(sizes[row - 100].sum() <= 10 for row in rows) and len(rows) == math.ceil(sizes.sum() / 10)
+
+
+@pytest.mark.parametrize("world_size, options", [(1, {"micro_batch_size": 2}), (2, {"micro_batch_size": 1}),
+                                                  (2, {"micro_batch_size": 1, "micro_tokens": 2 * SEQ})])
+def test_packed_steps_hold_the_unpacked_steps_conversations_whole(tmp_path, world_size, options):
+    train = _load(tmp_path, _chats(60, seed=6)).train
+    plan = GlobalBatchPlan(len(train), 16, seed=7)
+    for step in range(6):
+        rows = []
+        for rank in range(world_size):
+            packed = TrainBatches(train, 16, seed=7, rank=rank, world_size=world_size, pack=True, seq_len=SEQ, **options)
+            for micro in packed.microbatch_ids(step):
+                rows += micro
+        assert sorted(int(i) for row in rows for i in row) == sorted(plan.global_batch(step).tolist())
+        assert all(int((train.lengths[row] - 1).sum()) <= SEQ for row in rows)
+        assert len(rows) < 16  # several conversations share a row
+
+
+def test_a_packed_microbatch_computes_the_unpacked_loss(tmp_path):
+    train = _load(tmp_path, _chats(40, seed=8)).train
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=600, max_seq_len=SEQ, n_layer=2, n_head=2, n_embd=32)).double()
+    ids = GlobalBatchPlan(len(train), 16, seed=1).global_batch(0)
+    packed = TrainBatches(train, 16, 16, seed=1, rank=0, world_size=1, pack=True, seq_len=SEQ)
+    [(batch, targets)] = packed.microbatches(0)
+    assert batch["idx"].shape[0] < 16 and batch["idx"].shape[1] <= SEQ
+    inputs, plain_targets = train.collate(ids)
+    with torch.no_grad():
+        packed_sum = float(token_loss_sum(model(**batch), targets))
+        plain_sum = float(token_loss_sum(model(inputs), plain_targets))
+    assert int((targets != IGNORE_INDEX).sum()) == int((plain_targets != IGNORE_INDEX).sum())
+    assert math.isclose(packed_sum, plain_sum, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("layout", [["batch.micro_size=2"], ["batch.micro_tokens=128"],
+                                    ["batch.pack=true", "batch.micro_size=1"],
+                                    ["batch.pack=true", "batch.micro_size=1", "strategy=fsdp"]],
+                         ids=["accumulate", "budget", "packed", "packed_fsdp"])
+def test_verify_agrees_with_one_unpacked_process_on_chats(tmp_path, layout):
+    from ddptrain.verify import format_report, verify
+
+    directory = _tokenizer_dir(tmp_path / "tok")
+    path = _write_jsonl(tmp_path / "c.jsonl", _chats(40, seed=9))
+    cfg = compose_config(["data=sft", f"data.paths=[{path}]", f"data.tokenizer={directory / 'tokenizer.json'}",
+                          f"data.cache_dir={tmp_path / 'cache'}", f"batch.seq_len={SEQ}", "batch.global_size=8",
+                          "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "optim.warmup_steps=1", *layout])
+    report = verify(cfg, steps=2)
+    assert report.agrees, format_report(report)
+    assert report.steps[0].tokens < 8 * SEQ / 2  # only assistant tokens count
+
+
+def _verify_on_rank(overrides: list[str]):
+    from ddptrain.verify import verify
+
+    report = verify(compose_config(overrides), steps=2)
+    return report.layout, report.agrees, report.worst, [step.tokens for step in report.steps]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_packed_chats_on_two_ranks_agree_with_one_unpacked_process(tmp_path, strategy):
+    from ddptrain.testing import run_distributed
+
+    directory = _tokenizer_dir(tmp_path / "tok")
+    path = _write_jsonl(tmp_path / "c.jsonl", _chats(40, seed=10))
+    overrides = ["data=sft", f"data.paths=[{path}]", f"data.tokenizer={directory / 'tokenizer.json'}",
+                 f"data.cache_dir={tmp_path / 'cache'}", f"batch.seq_len={SEQ}", "batch.global_size=8",
+                 "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "optim.warmup_steps=1", "batch.pack=true",
+                 f"batch.micro_tokens={SEQ}", f"strategy={strategy}"]
+    results = run_distributed(_verify_on_rank, 2, overrides)
+    for layout, agrees, worst, _ in results:
+        assert "conversations packed whole" in layout and agrees and worst <= 1e-9, (layout, worst)
+    assert results[0] == results[1]
+
+
+# -- the exact mean on chat data, as the CLI runs it ---------------------------------------------
+
+SFT_RUN = ["data=sft", "trainer.precision=fp64", "trainer.log_every=1", "trainer.max_steps=3", "optim.warmup_steps=1",
+           "optim.decay_steps=3", "trainer.eval_examples=8", f"batch.seq_len={SEQ}", "batch.global_size=8"]
+
+
+def _llama_with_chat_tokenizer(directory):
+    """A tiny Llama with random weights and the chat tokenizer, save_pretrained into one directory."""
+    _tokenizer_dir(directory)
+    config = transformers.LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # "pretrained": token losses far from uniform, as after pre-training
+    model.save_pretrained(directory)
+    return directory
+
+
+def _transformers_reference(model_dir, chats, ids, micro_size: int) -> tuple[float, int, float]:
+    """(exact loss, valid targets, naive mean of per-microbatch means) of the global batch `ids`, from
+    transformers' own chat template, assistant mask and model, in fp64."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    sums, counts = [], []
+    with torch.no_grad():
+        for index in ids:
+            inputs, targets = _reference(tokenizer, chats[index]["messages"])
+            assert len(inputs) <= SEQ, "every chat must fit, or the run would drop it"
+            sums.append(float(token_loss_sum(model(torch.tensor([inputs])).logits, torch.tensor([targets]))))
+            counts.append(sum(t != IGNORE_INDEX for t in targets))
+    micro = [(sum(sums[i : i + micro_size]), sum(counts[i : i + micro_size])) for i in range(0, len(ids), micro_size)]
+    return sum(sums) / sum(counts), sum(counts), sum(s / c for s, c in micro) / len(micro)
+
+
+@pytest.mark.slow
+def test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume(tmp_path):
+    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
+    chats = _chats(48, seed=11)
+    train = _write_jsonl(tmp_path / "train.jsonl", chats)
+    val = _write_jsonl(tmp_path / "val.jsonl", _chats(8, seed=12))
+    base = [*SFT_RUN, "model=hf", f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    layouts = {"1x8": (1, ["batch.micro_size=8"]), "2x2": (2, ["batch.micro_size=2"]),
+               "2 ranks, budget": (2, [f"batch.micro_tokens={SEQ}"]),
+               "packed": (1, ["batch.pack=true", "batch.micro_size=1"]),
+               "2 ranks, packed, budget": (2, ["batch.pack=true", f"batch.micro_tokens={2 * SEQ}"])}
+    curves, outputs = {}, {}
+    for name, (ranks, options) in layouts.items():
+        run_dir = tmp_path / name.replace(" ", "").replace(",", "_")
+        if name == "2x2":  # two steps, then a re-run with three resumes from the final checkpoint
+            first = run_cli([*base, *options, "trainer.max_steps=2", f"run.dir={run_dir}"], nproc=ranks)
+            assert first.returncode == 0, first.stderr[-3000:]
+        result = run_cli([*base, *options, f"run.dir={run_dir}"], nproc=ranks)
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[name], outputs[name] = read_metrics(run_dir), result.stderr
+    assert "resumed from" in outputs["2x2"]
+    reference = curves["1x8"]
+    for name, curve in curves.items():
+        assert [m["step"] for m in curve] == [1, 2, 3], name
+        for mine, ref in zip(curve, reference):
+            assert mine["tokens"] == ref["tokens"], name
+            assert math.isclose(mine["loss"], ref["loss"], rel_tol=1e-9), (name, mine["loss"], ref["loss"])
+    assert reference[0]["loss"] != reference[2]["loss"]  # it trained
+
+    ids = GlobalBatchPlan(len(chats), 8, seed=1234).global_batch(0)
+    exact, tokens, naive = _transformers_reference(model_dir, chats, ids, micro_size=2)
+    assert reference[0]["tokens"] == tokens
+    assert math.isclose(reference[0]["loss"], exact, rel_tol=1e-9), (reference[0]["loss"], exact)
+    print(f"\nstep 1 of 8 chats, {tokens} assistant targets: exact loss {exact:.6f}, naive mean of the 4 "
+          f"microbatch means (2 chats each) {naive:.6f}, {100 * (naive - exact) / exact:+.2f}%")
+    assert abs(naive - exact) > 1e-4 * exact
+
+    summary = next(line for line in outputs["1x8"].splitlines() if "targets per example: mean" in line)
+    print(summary)
+    assert "% of the" in summary
+    final = tmp_path / "1x8" / "final"
+    assert (final / "chat_template.jinja").read_text() == (model_dir / "chat_template.jinja").read_text()
+    assert transformers.AutoTokenizer.from_pretrained(final).eos_token == "<eos>"
