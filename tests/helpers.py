@@ -125,3 +125,16 @@ requires_deepspeed = requires("deepspeed")
 def import_deepspeed() -> ModuleType:
     """DeepSpeed, imported for real (see import_optional): for tests that need it only on some branches."""
     return import_optional("deepspeed")
+
+
+def save_bpe_tokenizer(path: Path, texts=("def main():\n    return self.value + 1\n",), vocab_size: int = 290) -> Path:
+    """A small byte-level BPE tokenizer.json trained on `texts` (built here: no hub, no download)."""
+    tokenizers = import_optional("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(list(texts) * 50, trainer=trainer)
+    tokenizer.save(str(path))
+    return path

@@ -28,7 +28,7 @@ from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.final import save_final
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.resume import check_base_weights
-from tests.helpers import import_deepspeed, import_optional, read_metrics, run_cli
+from tests.helpers import import_deepspeed, import_optional, read_metrics, run_cli, save_bpe_tokenizer
 
 transformers = import_optional("transformers")
 peft = import_optional("peft")
@@ -253,14 +253,8 @@ def _checkpoint_weights(run_dir, step: int, strategy: str) -> dict:
 
 @pytest.mark.slow
 def test_lora_layouts_are_exact_in_fp64_and_final_holds_the_adapter_and_tokenizer(tmp_path):
-    tokenizers = import_optional("tokenizers")
     base = _base_dir(tmp_path / "base")
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=290, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(["def main():\n    return self.value + 1\n"] * 50, trainer=trainer)
-    tokenizer.save(str(base / "tokenizer.json"))
+    save_bpe_tokenizer(base / "tokenizer.json")
     args = ["model=hf", f"model.path={base}", *LORA, "trainer.max_steps=4", "checkpoint.every=2", *RUN,
             "trainer.precision=fp64"]
     one = _run(tmp_path, "1x8", [*args, "batch.micro_size=8"], nproc=1)

@@ -11,7 +11,7 @@ import torch
 
 import ddptrain
 from ddptrain.models.build import ModelError
-from tests.helpers import TINY_RUN, import_deepspeed, import_optional, read_metrics, run_cli
+from tests.helpers import TINY_RUN, import_deepspeed, import_optional, read_metrics, run_cli, save_bpe_tokenizer
 
 transformers = import_optional("transformers")
 
@@ -159,14 +159,8 @@ def test_fine_tuning_starts_from_the_saved_weights(tmp_path):
 
 @pytest.mark.slow
 def test_the_model_directory_tokenizer_is_used_and_saved(tmp_path):
-    tokenizers = import_optional("tokenizers")
     llama = _llama_dir(tmp_path / "llama")
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=290, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(["def main():\n    return self.value + 1\n"] * 50, trainer=trainer)
-    tokenizer.save(str(llama / "tokenizer.json"))
+    save_bpe_tokenizer(llama / "tokenizer.json")
     run_dir = tmp_path / "run"
     result = run_cli(["model=hf", f"model.path={llama}", "trainer.max_steps=2", "batch.micro_size=8", *RUN,
                       f"run.dir={run_dir}"])
