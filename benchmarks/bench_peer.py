@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_peer                    # 3 interleaved rounds, 2 gloo ranks on CPU
     python -m benchmarks.bench_peer --rounds 5 --contenders ddptrain-pack,hf-group,hf-rebalance
+    python -m benchmarks.bench_peer --mode sft         # chats: data=sft against TRL's SFTTrainer (bench_peer_sft.py)
 
 Both train the same model, a small Llama built from a config.json (no weights, no download), on
 the same ragged corpus: the standard-library sources of this interpreter cut into paragraphs
@@ -115,14 +116,20 @@ def run_ddptrain(args, model_dir: Path, run_dir: Path, pack: bool) -> float:
            "optim.schedule=constant", "optim.warmup_steps=0", f"trainer.grad_clip={GRAD_CLIP}",
            "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines"]
     execute(cmd, args)
+    return windowed_rates(run_dir, args.log_every)[0]
+
+
+def windowed_rates(run_dir: Path, log_every: int) -> tuple[float, float]:
+    """(valid tokens per second, padding efficiency) of a ddptrain run's windows after the first (warm-up)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timed = [r for r in records if r["step"] > args.log_every and r.get("tokens_per_second")]
+    timed = [r for r in records if r["step"] > log_every and r.get("tokens_per_second")]
     if not timed:
-        raise RuntimeError(f"{run_dir}/metrics.jsonl has no window after step {args.log_every}: {records}")
+        raise RuntimeError(f"{run_dir}/metrics.jsonl has no window after step {log_every}: {records}")
     # tokens_per_second = window tokens / window seconds: recombine the windows after the first.
-    seconds = [r["step_time_s"] * args.log_every for r in timed]
+    seconds = [r["step_time_s"] * log_every for r in timed]
     tokens = [r["tokens_per_second"] * s for r, s in zip(timed, seconds)]
-    return sum(tokens) / sum(seconds)
+    padded = [t / r["padding_efficiency"] for r, t in zip(timed, tokens)]
+    return sum(tokens) / sum(seconds), sum(tokens) / sum(padded)
 
 
 # -- the Hugging Face Trainer (run under torchrun: --hf-worker) -------------------------------
@@ -232,9 +239,9 @@ def shared_flags(args) -> list[str]:
             "--data-glob", args.data_glob]
 
 
-def execute(cmd: list[str], args) -> None:
+def execute(cmd: list[str], args, extra_env: dict[str, str] | None = None) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": "",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd())}
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path.cwd()), **(extra_env or {})}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {done.returncode}:\n{done.stderr[-4000:]}")
@@ -249,7 +256,17 @@ def run_contender(name: str, args, model_dir: Path, work: Path, round_index: int
 
 
 def main(argv: list[str] | None = None) -> None:
+    modes = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    modes.add_argument("--mode", choices=("text", "sft"), default="text")
+    known, argv = modes.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.mode == "sft":
+        from benchmarks.bench_peer_sft import main as sft_main
+
+        return sft_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("text", "sft"), default="text",
+                        help="text: ragged paragraphs against transformers.Trainer (the flags below); sft: chats "
+                             "against TRL's SFTTrainer (python -m benchmarks.bench_peer --mode sft --help)")
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"comma-separated, of {', '.join(CONTENDERS)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")

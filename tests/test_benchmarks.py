@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, import_deepspeed
+from tests.helpers import REPO, import_deepspeed, import_optional
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,30 @@ def test_memory_benchmark_compares_ddp_and_zero1():
                "ddp,zero1")
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("strategy"))
-    columns = ["strategy", "rank", *re.split(r"\s{2,}", header.strip())[1:]]  # "opt state", then its "vs ddp"
+    columns = re.split(r"\s{2,}", header.strip())  # ... "opt state", then its "vs ddp"
     rows = [line.split() for line in lines if line.startswith(("ddp ", "zero1 "))]
     assert [row[:2] for row in rows] == [["ddp", "0"], ["zero1", "0"], ["ddp", "1"], ["zero1", "1"]], out
     ratio = columns.index("opt state") + 1
     assert float(rows[1][ratio]) == pytest.approx(0.5, abs=0.05), "zero1 holds about half of ddp's optimizer state"
+    lora = [line.split() for line in lines if line.startswith(("ddp+lora ", "zero1+lora "))]
+    assert [row[:2] for row in lora] == [["ddp+lora", "0"], ["zero1+lora", "0"], ["ddp+lora", "1"], ["zero1+lora", "1"]]
+    assert float(lora[0][ratio]) < 0.5 and float(lora[1][ratio]) < float(lora[0][ratio]), \
+        "LoRA's optimizer state is the adapter's, and zero1 partitions it"
+
+
+def test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl():
+    import_optional("trl")
+    out = _run("benchmarks.bench_peer", "--mode", "sft", "--rounds", "1", "--steps", "3", "--log-every", "1",
+               "--seq-len", "128", "--global-batch", "4", "--micro", "2", "--chats", "40", "--words", "200",
+               "--vocab", "400", "--width", "32", "--layers", "1", "--heads", "2")
+    assert out.startswith("benchmarks.bench_peer --mode sft: Llama 1 x 32, vocab 400, 40 chats"), out
+    lines = out.splitlines()
+    assert lines[lines.index("") + 1].split() == ["valid", "targets/s", "round", "1", "median", "padding", "eff."], out
+    rows = {line.split()[0]: line.split()[1:] for line in lines if "/" not in line and len(line.split()) == 4}
+    for name in ("ddptrain-micro", "ddptrain-budget", "ddptrain-pack", "trl"):
+        rate, median, efficiency = (float(value.replace(",", "")) for value in rows[name])
+        assert rate == median > 0 and 0 < efficiency <= 1, out
+        if name != "trl":
+            ratio = float(next(line for line in lines if line.startswith(f"{name} / trl ")).split()[-1])
+            assert ratio == pytest.approx(rate / float(rows["trl"][0].replace(",", "")), rel=0.01, abs=0.006), out
+    assert lines[-1].startswith("best ddptrain layout: ddptrain-") and lines[-1].endswith("(target >= 1.3)"), out

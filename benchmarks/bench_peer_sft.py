@@ -1,0 +1,288 @@
+"""ddptrain data=sft against TRL's SFTTrainer on chats: valid target tokens per second.
+
+    python -m benchmarks.bench_peer --mode sft                 # 2 rounds (ABCD, DCBA), 2 gloo ranks on CPU
+    python -m benchmarks.bench_peer --mode sft --rounds 4 --contenders ddptrain-budget,trl
+
+Everything is written locally into a temporary directory, nothing is downloaded:
+
+- chats.jsonl: multi-turn conversations (TRL's {"messages": [...]}) of pseudo-words, generated from a
+  seed; assistant replies are 1 to 160 words, log-uniform, so the targets per chat differ widely.
+  Every chat fits batch.seq_len + 1 tokens, so neither side drops or cuts one.
+- a BPE tokenizer trained on the same words (tokenizers library, saved as PreTrainedTokenizerFast)
+  whose ChatML template marks each assistant reply and its <|im_end|> with {% generation %}: both
+  sides take transformers' assistant mask, so they train on the same targets (checked: the
+  dataset's valid targets must be equal on both sides).
+- a Llama (GQA, RoPE, SwiGLU) with random weights, save_pretrained with the tokenizer.
+
+Contenders, each a fresh `torchrun --nproc_per_node=2` per round, the same global batch of chats,
+AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1, constant), clipping at 1.0, fp32, one thread per rank:
+
+- ddptrain-micro / ddptrain-budget / ddptrain-pack: `-m ddptrain model=hf data=sft` with
+  batch.micro_size=micro (TRL's layout); batch.micro_tokens=--micro-tokens (default seq_len: a
+  rank's chats, longest first, grouped while rows x longest fits, so similar lengths share a
+  microbatch; a budget of several chats lumps long and short ones together and pads about as much
+  as micro_size); batch.pack=true batch.micro_size=micro (the step's chats packed whole into rows
+  of <= seq_len positions, micro rows per microbatch: at most the positions of TRL's largest
+  microbatch). Figure: metrics.jsonl's global valid targets over the seconds of data wait +
+  Engine.step of rank 0, for the windows after the first (the warm-up).
+- trl: benchmarks/trl_sft_worker.py, SFTConfig(assistant_only_loss=True) with its default padding
+  (each microbatch padded to its longest chat) and dataloader, per_device_train_batch_size=micro
+  and gradient accumulation to the same global batch; fp32 and no gradient checkpointing, like
+  ddptrain (TRL's defaults are bf16 and checkpointing).
+  Figure: the valid targets of the same steps (counted on every rank) over rank 0's wall time
+  between the ends of those steps.
+
+Rounds alternate the order (ABCD, DCBA, ...) so that a shared machine's noise hits all alike; the
+report is per-round figures, padding efficiency (valid targets / padded positions) and the
+median of per-round ratios to TRL. A figure, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.bench_peer import BETAS, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, execute, torchrun, windowed_rates
+
+CONTENDERS = ("ddptrain-micro", "ddptrain-budget", "ddptrain-pack", "trl")
+WORKER = Path(__file__).with_name("trl_sft_worker.py")
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<eos>"]
+# ChatML; each assistant reply and its end-of-turn token inside {% generation %}, the newline after it outside.
+TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+            "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+            "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+# -- the local inputs: words, tokenizer, chats, model -----------------------------------------
+
+
+def pseudo_words(count: int, seed: int) -> list[str]:
+    """`count` distinct pronounceable words of 1 to 3 syllables."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
+    words: set[str] = set()
+    while len(words) < count:
+        words.add("".join(rng.choice(syllables) for _ in range(rng.choice([1, 2, 2, 3]))))
+    return sorted(words)
+
+
+def _sentence(rng: random.Random, words: list[str], weights: list[float], length: int) -> str:
+    return " ".join(rng.choices(words, weights, k=length))
+
+
+def write_tokenizer(directory: Path, words: list[str], vocab_size: int) -> None:
+    """A byte-level BPE trained here on the words, with EOS <eos> and the marked chat template."""
+    import tokenizers
+    import transformers
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    rng = random.Random(0)
+    corpus = ["system\nuser\nassistant\n", *(" ".join(rng.sample(words, 20)) for _ in range(2000))]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(directory)
+
+
+def chats(count: int, seed: int, words: list[str], fits) -> list[dict]:
+    """Conversations of 1 to 3 turns (some with a system message), each accepted by `fits`."""
+    rng = random.Random(seed)
+    weights = [1 / (rank + 1) for rank in range(len(words))]  # Zipf-like word frequencies
+    out = []
+    while len(out) < count:
+        messages = [{"role": "system", "content": _sentence(rng, words, weights, rng.randint(3, 12))}] \
+            if rng.random() < 0.3 else []
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            messages.append({"role": "user", "content": _sentence(rng, words, weights, rng.randint(3, 40))})
+            reply = round(math.exp(rng.uniform(0, math.log(160))))  # 1..160 words, log-uniform
+            messages.append({"role": "assistant", "content": _sentence(rng, words, weights, reply)})
+        if fits(messages):
+            out.append({"messages": messages})
+    return out
+
+
+def write_inputs(work: Path, args) -> tuple[Path, Path, Path]:
+    """(model dir, chats.jsonl, val.jsonl) under `work`."""
+    import torch
+    import transformers
+
+    model_dir, words = work / "llama", pseudo_words(args.words, SEED)
+    write_tokenizer(model_dir, words, args.vocab)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+
+    def fits(messages) -> bool:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        return len(ids) <= args.seq_len + 1
+
+    paths = []
+    for name, count, seed in (("chats.jsonl", args.chats, 1), ("val.jsonl", 8, 2)):
+        path = work / name
+        path.write_text("".join(json.dumps(chat) + "\n" for chat in chats(count, seed, words, fits)))
+        paths.append(path)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=args.width, intermediate_size=int(args.width * 8 / 3) // 8 * 8,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
+        max_position_embeddings=args.seq_len + 1, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(SEED)
+    # save_pretrained imports DeepSpeed where installed, which logs "Setting accelerator to CPU" to
+    # stdout: keep stdout for the report.
+    with contextlib.redirect_stdout(sys.stderr):
+        transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    return model_dir, paths[0], paths[1]
+
+
+def ddptrain_data(args, model_dir: Path, train: Path, val: Path, cache: Path) -> list[str]:
+    return ["data=sft", f"data.paths=[{train}]", f"data.val_paths=[{val}]", f"data.cache_dir={cache}",
+            f"data.tokenizer={model_dir / 'tokenizer.json'}"]
+
+
+def training_examples(args, model_dir: Path, train: Path, val: Path, cache: Path):
+    """ddptrain's training examples (through its cache, which the runs then reuse)."""
+    from ddptrain.config.compose import compose_config
+    from ddptrain.data import load_splits
+
+    cfg = compose_config(ddptrain_data(args, model_dir, train, val, cache))
+    return load_splits(cfg.data, args.seq_len).train
+
+
+# -- the contenders -----------------------------------------------------------------------------
+
+
+def layout(name: str, args) -> list[str]:
+    micro = f"batch.micro_size={args.micro}"
+    return {"ddptrain-micro": [micro], "ddptrain-budget": [f"batch.micro_tokens={args.micro_tokens}"],
+            "ddptrain-pack": ["batch.pack=true", micro]}[name]
+
+
+def run_ddptrain(name: str, args, data: list[str], model_dir: Path, run_dir: Path) -> tuple[float, float]:
+    cmd = [*torchrun(args), "-m", "ddptrain", "model=hf", f"model.path={model_dir}", *data, *layout(name, args),
+           f"batch.seq_len={args.seq_len}", f"batch.global_size={args.global_batch}",
+           f"trainer.max_steps={args.steps}", f"trainer.log_every={args.log_every}", "trainer.eval_examples=1",
+           f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.weight_decay={WEIGHT_DECAY}",
+           "optim.schedule=constant", "optim.warmup_steps=0", f"trainer.grad_clip={GRAD_CLIP}",
+           "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines"]
+    execute(cmd, args)
+    return windowed_rates(run_dir, args.log_every)
+
+
+def run_trl(args, model_dir: Path, train: Path, out: Path) -> tuple[float, float, dict]:
+    accumulation, remainder = divmod(args.global_batch, args.micro * args.world_size)
+    if remainder or not accumulation:
+        raise SystemExit(f"global batch {args.global_batch} must be divisible by micro {args.micro} x world size "
+                         f"{args.world_size} for TRL's gradient accumulation")
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}",
+           str(WORKER), "--model-dir", str(model_dir), "--chats", str(train), "--out", str(out),
+           "--micro", str(args.micro), "--accumulation", str(accumulation), "--steps", str(args.steps),
+           "--timed-from", str(args.log_every), "--max-length", str(args.seq_len + 1), "--seed", str(SEED),
+           "--lr", str(LR), "--betas", *map(str, BETAS), "--weight-decay", str(WEIGHT_DECAY),
+           "--grad-clip", str(GRAD_CLIP)]
+    execute(cmd, args, extra_env={"HF_DATASETS_CACHE": str(out / "datasets")})
+    result = json.loads((out / "result.json").read_text())
+    return result["valid_tokens"] / result["seconds"], result["valid_tokens"] / result["padded_tokens"], result
+
+
+# -- the comparison -----------------------------------------------------------------------------
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_peer --mode sft",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"comma-separated, of {', '.join(CONTENDERS)}")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
+    parser.add_argument("--log-every", type=int, default=5, help="steps 1..log-every are warm-up, not timed")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--global-batch", type=int, default=16, help="chats per optimizer step")
+    parser.add_argument("--micro", type=int, default=4,
+                        help="chats per microbatch (TRL, ddptrain-micro); packed rows (ddptrain-pack)")
+    parser.add_argument("--micro-tokens", type=int, default=None,
+                        help="ddptrain-budget's batch.micro_tokens (default: seq_len)")
+    parser.add_argument("--chats", type=int, default=1000, help="conversations in chats.jsonl")
+    parser.add_argument("--words", type=int, default=1500, help="distinct pseudo-words")
+    parser.add_argument("--vocab", type=int, default=2048, help="the BPE tokenizer's vocabulary")
+    parser.add_argument("--width", type=int, default=256, help="the Llama's hidden size")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    args = parser.parse_args(argv)
+    contenders = args.contenders.split(",")
+    if any(name not in CONTENDERS for name in contenders) or "trl" not in contenders or len(contenders) < 2:
+        parser.error(f"--contenders {args.contenders}: of {', '.join(CONTENDERS)}, with trl and at least one ddptrain")
+    if args.steps <= args.log_every:
+        parser.error(f"--steps {args.steps} must exceed --log-every {args.log_every} (the warm-up steps)")
+    args.contenders = contenders
+    args.micro_tokens = args.micro_tokens or args.seq_len
+    return args
+
+
+def describe(args, examples) -> str:
+    targets, lengths = examples.targets_per_example(), examples.lengths
+    return (f"benchmarks.bench_peer --mode sft: Llama {args.layers} x {args.width}, vocab {args.vocab}, "
+            f"{len(examples):,} chats of {int(lengths.min())}..{int(lengths.max())} tokens (mean "
+            f"{lengths.mean():.0f}), {examples.valid_targets() / len(examples):.1f} valid targets each on average "
+            f"({int(targets.min())}..{int(targets.max())}), seq_len {args.seq_len}, global batch {args.global_batch} "
+            f"chats, micro {args.micro} chats (packed: rows), budget {args.micro_tokens} padded positions, "
+            f"{args.world_size} gloo ranks x {args.threads} thread(s), fp32, steps {args.log_every + 1}..{args.steps} "
+            f"of each run timed; contenders {', '.join(args.contenders)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    rates: dict[str, list[float]] = {name: [] for name in args.contenders}
+    efficiency: dict[str, list[float]] = {name: [] for name in args.contenders}
+    with tempfile.TemporaryDirectory(prefix="bench_peer_sft_") as tmp:
+        work = Path(tmp)
+        model_dir, train, val = write_inputs(work, args)
+        data = ddptrain_data(args, model_dir, train, val, work / "cache")
+        examples = training_examples(args, model_dir, train, val, work / "cache")
+        print(describe(args, examples), flush=True)
+        for round_index in range(args.rounds):
+            for name in args.contenders if round_index % 2 == 0 else args.contenders[::-1]:
+                out = work / f"{name}-{round_index}"
+                if name != "trl":
+                    rate, padding = run_ddptrain(name, args, data, model_dir, out)
+                else:
+                    rate, padding, result = run_trl(args, model_dir, train, out)
+                    ours = (len(examples), examples.valid_targets())
+                    if (result["dataset_examples"], result["dataset_targets"]) != ours:
+                        raise RuntimeError(f"TRL's dataset holds {result['dataset_examples']} chats with "
+                                           f"{result['dataset_targets']} targets, ddptrain's {ours[0]} with {ours[1]}: "
+                                           "they would not train the same")
+                rates[name].append(rate)
+                efficiency[name].append(padding)
+            print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:,.0f}" for n in args.contenders),
+                  flush=True)
+    report(args, rates, efficiency)
+
+
+def report(args, rates: dict[str, list[float]], efficiency: dict[str, list[float]]) -> None:
+    """Per-round figures, medians and padding efficiency; per-round ratios to TRL and their median."""
+    print()
+    print(f"{'valid targets/s':22}" + "".join(f"{f'round {r}':>10}" for r in range(1, args.rounds + 1))
+          + f"{'median':>10}{'padding eff.':>14}")
+    for name, values in rates.items():
+        print(f"{name:22}" + "".join(f"{v:10,.0f}" for v in values) + f"{statistics.median(values):10,.0f}"
+              f"{statistics.median(efficiency[name]):14.3f}")
+    ratios = {name: [ours / peer for ours, peer in zip(values, rates["trl"])]
+              for name, values in rates.items() if name != "trl"}
+    for name, values in ratios.items():
+        print(f"{name + ' / trl':22}" + "".join(f"{r:10.2f}" for r in values) + f"{statistics.median(values):10.2f}")
+    best = max(ratios, key=lambda name: statistics.median(ratios[name]))
+    print(f"best ddptrain layout: {best}, median ratio {statistics.median(ratios[best]):.2f} (target >= 1.3)")
