@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig
@@ -26,13 +27,24 @@ _KINDS = ((DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpo
 """Errors that are the user's to fix: a clear message on every rank and exit code 2."""
 
 
+_PEER_GRACE_S = 3.0
+"""Every rank validates the same config and fails alike, but torchrun stops the others as soon as
+one exits: this long a wait lets each rank print its own message first."""
+
+
+def _exit_with_the_other_ranks(code: int) -> None:
+    if env_world_size() > 1:
+        time.sleep(_PEER_GRACE_S)
+    sys.exit(code)
+
+
 def train(cfg: DictConfig) -> None:
     setup_logging()
     try:
         validate(cfg, env_world_size())  # before the process group: fails fast on every rank
     except ConfigError as error:
         logging.getLogger("ddptrain").error("config error: %s", error)
-        sys.exit(2)
+        _exit_with_the_other_ranks(2)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         set_parent_death_signal()  # workers must not outlive torchrun (SIGTERM: they checkpoint and exit)
     trainer = Trainer(cfg, init_distributed(cfg.dist.timeout_s))

@@ -188,11 +188,16 @@ def _runs_torchrun(pid: int) -> bool:
     return any(name in command for name in (b"torchrun", b"torch.distributed.run", b"torch/distributed/run"))
 
 
+def _log_rank() -> int:
+    """The rank a log line belongs to: the group's, or the launcher's (RANK) before the group exists."""
+    return get_rank() if is_distributed() else env_rank()
+
+
 class Rank0Filter(logging.Filter):
     """Lets every record through on rank 0, and only warnings and errors on the other ranks."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return is_rank_zero() or record.levelno >= logging.WARNING
+        return _log_rank() == 0 or record.levelno >= logging.WARNING
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -212,4 +217,4 @@ def setup_logging(level: int = logging.INFO) -> None:
 class _RankFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = self.formatTime(record, "%H:%M:%S")
-        return f"[{stamp} rank{get_rank()} {record.levelname.lower()}] {record.getMessage()}"
+        return f"[{stamp} rank{_log_rank()} {record.levelname.lower()}] {record.getMessage()}"
