@@ -24,6 +24,7 @@ from ddptrain.fsutil import describe_write_error
 from ddptrain.models.adapters import ModelAdapter
 from ddptrain.models.spec import ModelSpec
 from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.builder import decay_steps
 from ddptrain.train.checkpoint import STRATEGY_DIR
 from ddptrain.train.faults import FaultInjector
 from ddptrain.train.final import SPEC_FILE, final_dir, save_final
@@ -123,7 +124,7 @@ class Checkpointer:
         """Resuming with another trainer.max_steps stretches the LR schedule unless optim.decay_steps fixes it."""
         saved = state.get("config", {})
         before = saved.get("optim", {}).get("decay_steps") or saved.get("trainer", {}).get("max_steps")
-        now = self.cfg.optim.decay_steps or self.cfg.trainer.max_steps
+        now = decay_steps(self.cfg)
         if before is not None and before != now:
             log.warning("the LR schedule now runs over %d steps instead of %d (trainer.max_steps changed on resume); "
                         "set optim.decay_steps to keep one schedule across runs of different lengths", now, before)
