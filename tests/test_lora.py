@@ -23,7 +23,8 @@ from ddptrain.engine.engine import Engine
 from ddptrain.export import export
 from ddptrain.models.adapters import HFAdapter
 from ddptrain.models.spec import ModelError
-from ddptrain.strategies import strategy_class
+from ddptrain.strategies import state as neutral
+from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.final import save_final
 from ddptrain.train.optim import build_optimizer
@@ -158,7 +159,7 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(tmp_pa
     base = _base_dir(tmp_path / "base")
     model, spec, engine, _ = _trained(base)
     engine.save(tmp_path / "ckpt")
-    saved = strategy_class("ddp").read_full_weights(tmp_path / "ckpt")
+    saved = neutral.read_full(tmp_path / "ckpt", "model")["model"]
     assert set(saved) == {name for name, p in model.named_parameters() if p.requires_grad}
     # It resumes into a fresh build (the base from model.path), every weight equal.
     torch.manual_seed(1)  # another adapter init: the load must overwrite it
@@ -247,8 +248,7 @@ def _run(tmp_path, name: str, args: list[str], nproc: int):
 
 
 def _checkpoint_weights(run_dir, step: int, strategy: str) -> dict:
-    path = run_dir / "checkpoints" / f"step_{step:08d}" / "strategy"
-    return strategy_class(strategy).read_full_weights(path)
+    return ckpt.read_weights(run_dir / "checkpoints" / f"step_{step:08d}")
 
 
 @pytest.mark.slow

@@ -187,7 +187,7 @@ def test_resume_refuses_changed_keys_by_name_and_applies_a_new_learning_rate(tmp
     config_before = (run_dir / "config.yaml").read_text()
     for change, expected in [("run.seed=7", "run.seed: 1234 -> 7"), ("model.n_embd=64", "model.n_embd: 32 -> 64"),
                              ("optim=sgd", "optim.name: 'adamw' -> 'sgd'"),
-                             ("strategy=zero1", "resumes with the strategy that wrote it")]:
+                             ("trainer.precision=fp64", "trainer.precision: 'fp32' -> 'fp64'")]:
         result = run_cli([*base, "trainer.max_steps=3", change])
         assert result.returncode == 2, (change, result.stderr[-2000:])
         assert "cannot change on resume" in result.stderr and expected in result.stderr, (change, result.stderr[-2000:])

@@ -213,12 +213,12 @@ PREEMPT_STEPS = 400  # long enough to signal mid-run, short enough to finish in 
 
 def final_model_state(run_dir: Path) -> tuple[int, dict]:
     """(step, model weights) of the newest complete checkpoint in run_dir."""
-    from ddptrain.train.checkpoint import find_latest, load_trainer_state
+    from ddptrain.train.checkpoint import find_latest, load_trainer_state, read_weights
 
     latest = find_latest(run_dir)
     assert latest is not None, f"no complete checkpoint in {run_dir}"
     state = load_trainer_state(latest)
-    return state["step"], torch.load(latest / "strategy" / "model.pt", weights_only=True)
+    return state["step"], read_weights(latest)
 
 
 @pytest.mark.parametrize(

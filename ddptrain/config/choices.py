@@ -77,15 +77,12 @@ class StrategyChoice:
     """Its Options dataclass."""
     precisions: tuple[str, ...] = PRECISIONS
     """The trainer.precision values it supports."""
-    may_change_on_resume: tuple[str, ...] = ()
-    """Its options that may differ from a checkpoint's on resume (they do not touch saved state)."""
 
 
 _ZERO_PRECISIONS = ("fp32", "bf16")  # DeepSpeed keeps fp32 master weights; the Engine autocasts bf16
 
 STRATEGIES = {
-    "ddp": StrategyChoice("ddptrain.strategies.ddp:DDPStrategy", DDPOptions,
-                          may_change_on_resume=("bucket_cap_mb", "find_unused_parameters")),
+    "ddp": StrategyChoice("ddptrain.strategies.ddp:DDPStrategy", DDPOptions),
     "zero1": StrategyChoice("ddptrain.strategies.deepspeed:ZeRO1", ZeROOptions, _ZERO_PRECISIONS),
     "zero2": StrategyChoice("ddptrain.strategies.deepspeed:ZeRO2", ZeROOptions, _ZERO_PRECISIONS),
     "zero3": StrategyChoice("ddptrain.strategies.deepspeed:ZeRO3", ZeROOptions, _ZERO_PRECISIONS),

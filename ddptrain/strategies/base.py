@@ -15,9 +15,11 @@ from typing import ClassVar, ContextManager
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from ddptrain.config.choices import PRECISIONS
+from ddptrain.strategies import state as neutral
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,11 @@ class Strategy(abc.ABC):
     """Whether `save` writes the parameters that do not train (requires_grad False). False where the
     model's build restores them (model.lora's frozen base): `save` then writes the trained
     parameters and the optimizer state alone, and `load` expects the frozen ones absent."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The model itself, under whatever wrapper the strategy put around it (DDP, DeepSpeed's engine)."""
+        return getattr(self, "_module", None) or self.model
 
     @classmethod
     def from_config(cls, options: dict, layout: StepLayout) -> "Strategy":
@@ -128,18 +135,50 @@ class Strategy(abc.ABC):
         """What this rank holds of `param` (a DTensor's local shard)."""
         return param.to_local() if isinstance(param, DTensor) else param.detach()
 
-    @abc.abstractmethod
-    def save(self, directory: Path) -> None:
-        """Collective: write weights and optimizer state to `directory` (each rank its part)."""
+    # -- checkpoints: the strategy-neutral layout of ddptrain/strategies/state.py -----------------
 
-    @abc.abstractmethod
+    def save(self, directory: Path) -> None:
+        """Collective: write the full-model view of weights and optimizer state to `directory` (a DCP
+        directory, each rank its part), in the layout every strategy loads on any world size.
+
+        This default is torch's own `get_state_dict` over a torch model and optimizer (ddp, fsdp);
+        a strategy that keeps its state elsewhere (DeepSpeed's partitions) maps it to the same names."""
+        fresh = not self.optimizer.state
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        if fresh:  # torch created the state by a step at learning rate 0, which counted: uncount it
+            neutral.zero_step_counts(self.optimizer.state.values())
+            neutral.zero_step_counts(optimizer_state["state"].values())
+        neutral.save({"model": model_state, "optimizer": optimizer_state}, directory)
+
     def load(self, directory: Path) -> None:
-        """Collective: restore what `save` wrote; a clear error when this world cannot read it."""
+        """Collective: restore what any strategy's `save` wrote, on any world size (DCP reshards), or a
+        checkpoint of this strategy's own layout from before checkpoints were neutral (`load_legacy`)."""
+        if not neutral.is_neutral(directory):
+            self.load_legacy(directory)
+            return
+        options = self._state_options()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        neutral.load_into(state, directory)
+        result = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                                optim_state_dict=state["optimizer"], options=options)
+        if not self.save_frozen:
+            self.check_loaded(result.missing_keys, result.unexpected_keys, self.frozen_names(self.module), directory)
+
+    def _state_options(self) -> StateDictOptions:
+        # Without the frozen parameters (save_frozen False: the model's build restores them), the
+        # load cannot be strict; `load` checks that only they are missing.
+        return StateDictOptions(ignore_frozen_params=not self.save_frozen, strict=self.save_frozen)
+
+    def load_legacy(self, directory: Path) -> None:
+        """Restore a checkpoint this strategy wrote in its own layout, before checkpoints were neutral."""
+        raise FileNotFoundError(f"{directory} holds no checkpoint state strategy={self.name} can read (no DCP "
+                                f"{neutral.METADATA})")
 
     @staticmethod
-    @abc.abstractmethod
-    def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
-        """The full weights saved in `directory`, in one process, without a process group."""
+    def read_legacy_weights(directory: Path) -> dict[str, torch.Tensor]:
+        """The full weights of a checkpoint in this strategy's pre-neutral layout, in one process."""
+        raise FileNotFoundError(f"{directory} holds no DCP {neutral.METADATA}")
 
     def clip_and_update(self, params: list, norm: torch.Tensor, max_norm: float | None,
                         skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

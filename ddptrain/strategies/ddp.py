@@ -13,12 +13,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config.choices import DDPOptions
-from ddptrain.distributed import is_distributed, is_rank_zero
-from ddptrain.fsutil import save_torch
+from ddptrain.distributed import is_distributed
 from ddptrain.strategies.base import Strategy
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
+"""The files of a ddp checkpoint from before the neutral layout (ddptrain/strategies/state.py)."""
 
 
 def sum_allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -36,9 +36,9 @@ def sum_allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.
 class DDPStrategy(Strategy):
     """DistributedDataParallel in a process group; the bare model in a world of one.
 
-    Every rank holds the full weights and optimizer state, so a checkpoint is two files written
-    by rank 0 and resumes on any number of ranks. Frozen parameters (requires_grad False) get no
-    gradient and no bucket; with `save_frozen` False, model.pt leaves them out (a LoRA
+    Every rank holds the full weights and optimizer state; a checkpoint is the neutral layout
+    (each tensor written once, by one rank). Frozen parameters (requires_grad False) get no
+    gradient and no bucket; with `save_frozen` False, checkpoints leave them out (a LoRA
     checkpoint holds the adapter and its optimizer state)."""
 
     name = "ddp"
@@ -97,16 +97,10 @@ class DDPStrategy(Strategy):
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def save(self, directory: Path) -> None:
-        if not is_rank_zero():
-            return  # every rank holds the same weights and optimizer state
-        directory.mkdir(parents=True, exist_ok=True)
-        save_torch(self.model_state_dict(trainable_only=not self.save_frozen), directory / MODEL_FILE)
-        save_torch(self.state_dict(), directory / OPTIMIZER_FILE)
-
-    def load(self, directory: Path) -> None:
+    def load_legacy(self, directory: Path) -> None:
+        """A checkpoint from before the neutral layout: model.pt and optimizer.pt, written by rank 0."""
         if not (directory / MODEL_FILE).is_file():
-            raise FileNotFoundError(f"{directory} holds no {MODEL_FILE}: it was not written by strategy=ddp")
+            super().load_legacy(directory)
         weights = torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True)
         if self.save_frozen:
             self._module.load_state_dict(weights)
@@ -117,5 +111,5 @@ class DDPStrategy(Strategy):
         self.load_state_dict(state)
 
     @staticmethod
-    def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
+    def read_legacy_weights(directory: Path) -> dict[str, torch.Tensor]:
         return torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True)

@@ -35,6 +35,7 @@ from torch import nn
 
 from ddptrain.config.choices import STRATEGIES, ZeROOptions
 from ddptrain.distributed import backend_for, get_rank, get_world_size, is_distributed
+from ddptrain.strategies import state as neutral
 from ddptrain.strategies.base import StepLayout, Strategy
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'ddptrain[deepspeed]'"
 TAG = "zero"
 LAYOUT_FILE = "ddptrain_layout.json"
+"""DeepSpeed's own checkpoint (tag, and ddptrain's note of the world size): the layout before the
+neutral one, still read on the world size that wrote it."""
 
 # DeepSpeed config key -> the ddptrain setting it is derived from (for error messages).
 _DERIVED_FROM = {
@@ -216,6 +219,8 @@ class DeepSpeedStrategy(Strategy):
         self.config: dict | None = None
         self._module: nn.Module | None = None
         self._world_size = 1
+        self._group_names: list[list[str]] = []  # parameter names of each optimizer group (the neutral layout's)
+        self._state_ready = False  # whether the optimizer's state exists (see _optimizer_keys)
 
     # -- set up --------------------------------------------------------------------------------
 
@@ -230,6 +235,9 @@ class DeepSpeedStrategy(Strategy):
                                        grad_accum_steps=self.grad_accum_steps, world_size=self._world_size,
                                        grad_clip=self.grad_clip, extra=self.extra_config,
                                        has_torch_optimizer=optimizer is not None)
+        by_id = {id(param): name for name, param in model.named_parameters()}
+        self._group_names = ([[by_id[id(param)] for param in group["params"]] for group in optimizer.param_groups]
+                             if optimizer is not None else [list(neutral.trainable_names(model))])
         deepspeed = self._deepspeed
         _disable_shm_comm_op(deepspeed)
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO dumps the whole config
@@ -307,24 +315,125 @@ class DeepSpeedStrategy(Strategy):
         return out
 
     def save(self, directory: Path) -> None:
-        """DeepSpeed's own checkpoint (every rank writes its partitions), tag `zero`.
+        """The neutral layout (ddptrain/strategies/state.py) that every strategy loads: the full fp32
+        weights, and each parameter's optimizer state assembled from ZeRO's partitions by name
+        (DeepSpeed's `safe_get_full_optimizer_state`; collective, one parameter at a time)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
 
-        `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(directory, "zero")`
-        turns it into the weights `model_state_dict()` returns."""
-        # save_frozen False: DeepSpeed leaves the frozen parameters (and their ZeRO-2/3 fragments) out.
-        self.model.save_checkpoint(str(directory), tag=TAG, client_state={},
-                                   exclude_frozen_parameters=not self.save_frozen)
-        if get_rank() == 0:
-            (Path(directory) / LAYOUT_FILE).write_text(json.dumps({"strategy": self.name, "world_size": self._world_size}))
+        model = self.model_state_dict(trainable_only=not self.save_frozen)
+        scalars, moments = self._optimizer_keys()
+        states = {}
+        for name, param in neutral.trainable_names(self._module).items():
+            entry = {key: safe_get_full_optimizer_state(param, key).detach().cpu() for key in moments}
+            entry.update({key: value.detach().cpu().clone() for key, value in scalars.items()})
+            states[name] = entry
+        groups = [{**{key: value for key, value in group.items() if key != "params"}, "params": names}
+                  for group, names in zip(self.optimizer.param_groups, self._group_names)]
+        neutral.save({"model": model, "optimizer": {"state": states, "param_groups": groups}}, directory)
 
     def load(self, directory: Path) -> None:
+        """Whatever any strategy saved, on any world size: the full weights go into the module (ZeRO-3
+        scatters each one from its gather) and refresh ZeRO's fp32 master copies; each parameter's
+        optimizer state goes into its partitions (`safe_set_full_optimizer_state`)."""
+        if not neutral.is_neutral(directory):
+            self.load_legacy(directory)
+            return
+        saved = neutral.read_full(directory)
+        self._load_weights(saved["model"], directory)
+        self._load_optimizer(saved.get("optimizer") or {}, directory)
+
+    def _load_weights(self, weights: dict[str, torch.Tensor], directory: Path) -> None:
+        own = self._module.state_dict(keep_vars=True)
+        frozen = set() if self.save_frozen else self.frozen_names(self._module)
+        self.check_loaded([key for key in own if key not in weights], [key for key in weights if key not in own],
+                          frozen, directory)
+        done: set[int] = set()
+        for key, tensor in own.items():
+            if key not in weights or id(tensor) in done:  # tied weights are one parameter
+                continue
+            done.add(id(tensor))
+            value, shape = weights[key], tuple(getattr(tensor, "ds_shape", tensor.shape))
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{directory}: {key} has shape {tuple(value.shape)} in the checkpoint but "
+                                 f"{shape} in the model")
+            if hasattr(tensor, "ds_id"):  # ZeRO-3: gather, set on rank 0, scatter back into the partitions
+                with self._deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+                    if get_rank() == 0:
+                        tensor.data.copy_(value)
+            else:
+                tensor.data.copy_(value)
+        self.model.optimizer.refresh_fp32_params()  # ZeRO's fp32 masters from the weights just set
+
+    def _load_optimizer(self, optimizer: dict, directory: Path) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        states = optimizer.get("state", {})
+        names = neutral.trainable_names(self._module)
+        missing = [name for name in names if name not in states]
+        if missing:
+            raise ValueError(f"{directory}: the checkpoint holds no optimizer state for {missing[:5]}")
+        self._optimizer_keys()  # ZeRO's flat state exists (and is linked to the parameters) before it is set
+        for name, param in names.items():
+            for key, value in states[name].items():
+                if value.dim() > 0:
+                    safe_set_full_optimizer_state(param, value, key)
+        # Step counts are one number per flat partition here and per parameter elsewhere; ddptrain
+        # steps every parameter together, so they agree.
+        scalars = {key: value for key, value in next(iter(states.values()), {}).items() if value.dim() == 0}
+        for flat_state in self.model.optimizer.optimizer.state.values():
+            for key, value in scalars.items():
+                if key in flat_state:
+                    flat_state[key].copy_(value)
+        for group, saved in zip(self.optimizer.param_groups, optimizer.get("param_groups", [])):
+            group.update({key: value for key, value in saved.items() if key != "params" and key in group})
+
+    def _optimizer_keys(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """(the scalar state shared by every parameter, e.g. Adam's step; the names of the per-element
+        state, e.g. exp_avg) of ZeRO's torch optimizer, after making sure that state exists.
+
+        torch optimizers create their state in their first step and ZeRO-1/2 link it to the
+        parameters only then; before it (a checkpoint of a run whose steps were all skipped, or a
+        resume into a fresh engine) one step at learning rate 0 over zero gradients creates it
+        (`neutral.zero_step_counts` says why that is a fresh optimizer's state)."""
+        zero_optimizer = self.model.optimizer
+        base = zero_optimizer.optimizer
+        # ZeRO's flat fp32 partitions, and the torch param group of each (ZeRO-3 may split a group).
+        flats = getattr(zero_optimizer, "single_partition_of_fp32_groups", None) or zero_optimizer.fp32_partitioned_groups_flat
+        group_of = getattr(zero_optimizer, "sub_group_to_group_id", None) or {index: index for index in range(len(flats))}
+        if not self._state_ready and any(flat not in base.state for flat in flats):
+            groups = base.param_groups
+            for index, flat in enumerate(flats):  # one step per partition, as ZeRO steps them
+                grad, flat.grad = flat.grad, torch.zeros_like(flat)
+                base.param_groups = [{**groups[group_of[index]], "params": [flat], "lr": 0.0}]
+                try:
+                    base.step()
+                finally:
+                    base.param_groups, flat.grad = groups, grad
+            neutral.zero_step_counts(base.state.values())
+        self._state_ready = True
+        if hasattr(zero_optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2: link the state to the parameters
+            # DeepSpeed links it after the first group's first step, when the other groups have no
+            # state yet, and never again: their parameters would have no optimizer state to read.
+            from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+            for params, flat in zip(zero_optimizer.bit16_groups, zero_optimizer.single_partition_of_fp32_groups):
+                lazy_init_hp_params_optimizer_state(params, flat, base.state)
+        first = base.state.get(flats[0], {})  # empty for an optimizer without state (plain SGD)
+        scalars = {key: value for key, value in first.items() if torch.is_tensor(value) and value.dim() == 0}
+        moments = [key for key, value in first.items()
+                   if torch.is_tensor(value) and value.dim() > 0 and value.shape == flats[0].shape]
+        return scalars, moments
+
+    def load_legacy(self, directory: Path) -> None:
+        """A checkpoint from before the neutral layout: DeepSpeed's own, readable only on the world size
+        that wrote it (its optimizer state is partitioned by rank)."""
         layout_file = Path(directory) / LAYOUT_FILE
         saved = json.loads(layout_file.read_text()) if layout_file.is_file() else {}
         if saved.get("world_size", self._world_size) != self._world_size:
             raise ValueError(f"a {saved.get('strategy', self.name)} checkpoint written on {saved['world_size']} ranks "
-                             f"cannot be resumed on {self._world_size}: DeepSpeed partitions the optimizer state by "
-                             f"rank, and converting it (DeepSpeed's universal checkpoint) is not supported here; resume "
-                             f"on {saved['world_size']} ranks, or use strategy=ddp or fsdp, whose checkpoints reshard")
+                             f"before checkpoints were strategy-neutral cannot be resumed on {self._world_size}: "
+                             f"DeepSpeed partitioned its optimizer state by rank; resume it once on "
+                             f"{saved['world_size']} ranks (its next checkpoint is neutral and resumes anywhere)")
         # Saved without the frozen parameters: the module's load cannot be strict (they stay as built).
         path, _ = self.model.load_checkpoint(str(directory), tag=TAG, load_optimizer_states=True,
                                              load_lr_scheduler_states=False, load_module_strict=self.save_frozen)
@@ -332,7 +441,7 @@ class DeepSpeedStrategy(Strategy):
             raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {TAG!r} under {directory}")
 
     @staticmethod
-    def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
+    def read_legacy_weights(directory: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)

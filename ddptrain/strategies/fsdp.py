@@ -9,8 +9,9 @@ The exact objective needs summed gradients and one gradient reduction per step:
 Every forward all-gathers each sharded module's weights (and, with `reshard_after_forward`, the
 backward gathers them again): collectives in every microbatch, so ranks with fewer microbatches
 run fillers (the Engine does). The global gradient norm is computed from the sharded gradients
-(DTensors) and clipping scales the shards. Checkpoints are torch.distributed.checkpoint (DCP)
-directories: each rank writes its shards, and a run saved on N ranks resumes on M.
+(DTensors) and clipping scales the shards. Checkpoints are the neutral layout (Strategy.save, a
+torch.distributed.checkpoint directory): each rank writes its shards, and any strategy on any
+number of ranks resumes from it. Checkpoints from before the neutral layout were the same.
 
 Frozen parameters (model.lora's base) are sharded like the others and get no gradient; a shard
 unit may mix frozen and trained ones (FSDP2 allows it). With `save_frozen` False, checkpoints
@@ -20,15 +21,11 @@ leave them out (DCP's `ignore_frozen_params`): the adapter and its optimizer sta
 from __future__ import annotations
 
 import contextlib
-import tempfile
-from pathlib import Path
 from typing import ContextManager
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -121,34 +118,3 @@ class FSDPStrategy(Strategy):
             full = value.full_tensor() if isinstance(value, DTensor) else value
             out[name] = full.detach().cpu().clone()
         return out
-
-    def _state_options(self) -> StateDictOptions:
-        # Without the frozen parameters (save_frozen False: the model's build restores them), the
-        # load cannot be strict; `load` checks that only they are missing.
-        return StateDictOptions(ignore_frozen_params=not self.save_frozen, strict=self.save_frozen)
-
-    def save(self, directory: Path) -> None:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
-
-    def load(self, directory: Path) -> None:
-        if not (Path(directory) / ".metadata").is_file():
-            raise FileNotFoundError(f"{directory} is not a torch.distributed.checkpoint directory written by "
-                                    "strategy=fsdp (no .metadata)")
-        options = self._state_options()
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=str(directory))  # reshards: any number of ranks may read it
-        result = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                                optim_state_dict=state["optimizer"], options=options)
-        if not self.save_frozen:
-            self.check_loaded(result.missing_keys, result.unexpected_keys, self.frozen_names(self.model), directory)
-
-    @staticmethod
-    def read_full_weights(directory: Path) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as scratch:
-            file = Path(scratch) / "full.pt"
-            dcp_to_torch_save(str(directory), str(file))  # in one process, no process group
-            return torch.load(file, map_location="cpu", weights_only=False)["model"]

@@ -7,12 +7,18 @@ Layout of one checkpoint (a directory under `<run.dir>/checkpoints/`):
         trainer.pt        scheduler, engine counters, step, cursor, logger id, resolved config,
                           model spec (rank 0 writes)
         rng_rank{r}.pt    python, numpy, torch CPU and CUDA RNG states of rank r
-        strategy/         weights and optimizer state in the strategy's own format (Engine.save):
-                          ddp model.pt + optimizer.pt, zero* DeepSpeed's, fsdp a DCP directory
+        state/            weights and optimizer state in the strategy-neutral layout (Engine.save,
+                          ddptrain/strategies/state.py): a DCP directory of the full-model view
+                          that every strategy loads on any world size
         COMPLETE.json     written last: the step and a sha256 of every file above
 
 A directory becomes visible under its final name only after every rank has written and the
 marker is on disk, so `auto` can never pick a checkpoint that a killed run left half-written.
+
+Checkpoints written before the neutral layout hold `strategy/` instead of `state/`: the strategy's
+own files (ddp model.pt + optimizer.pt, zero* DeepSpeed's, fsdp already a DCP directory of the
+neutral layout). They still resume: fsdp's anywhere, ddp's and zero's with the strategy (and, for
+zero, the world size) that wrote them.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ MARKER = "COMPLETE.json"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
-STRATEGY_DIR = "strategy"
-"""A checkpoint's sub-directory that holds the strategy's own files (Engine.save / Engine.load)."""
+STATE_DIR = "state"
+"""A checkpoint's sub-directory that holds weights and optimizer state (Engine.save / Engine.load)."""
+LEGACY_STATE_DIR = "strategy"
+"""Its name in checkpoints written before the neutral layout, in the strategy's own format."""
 
 
 class CheckpointError(RuntimeError):
@@ -124,7 +132,7 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
             save_torch(trainer_state, tmp / "trainer.pt")
         save_torch(rng_state(), tmp / f"rng_rank{get_rank()}.pt")
         if save_state is not None:
-            save_state(tmp / STRATEGY_DIR)
+            save_state(tmp / STATE_DIR)
         if failpoint is not None:
             failpoint()
     except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
@@ -279,6 +287,32 @@ def _candidates(run_dir: str | Path, resume: str) -> list[str]:
         raise CheckpointError(f"{path} does not exist (checkpoint.resume takes auto, none or a checkpoint directory "
                               f"such as {checkpoint_dir(run_dir) / step_name(100)})")
     return [str(path)]
+
+
+def state_dir(path: Path) -> Path:
+    """The directory of a checkpoint that holds weights and optimizer state (`state/`, or `strategy/`
+    in a checkpoint from before the neutral layout)."""
+    legacy = Path(path) / LEGACY_STATE_DIR
+    return legacy if legacy.is_dir() and not (Path(path) / STATE_DIR).is_dir() else Path(path) / STATE_DIR
+
+
+def is_legacy(path: Path) -> bool:
+    """Whether the checkpoint at `path` keeps its state in its strategy's own, pre-neutral files."""
+    from ddptrain.strategies import state as neutral
+
+    return not neutral.is_neutral(state_dir(path))
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full weights of the checkpoint at `path`, in one process without a process group, whatever
+    strategy and world size wrote it."""
+    from ddptrain.strategies import state as neutral, strategy_class
+
+    directory = state_dir(path)
+    if neutral.is_neutral(directory):
+        return neutral.read_full(directory, "model", collective=False)["model"]
+    name = load_trainer_state(path)["config"]["strategy"]["name"]
+    return strategy_class(name).read_legacy_weights(directory)
 
 
 def load_trainer_state(path: Path) -> dict:

@@ -25,7 +25,6 @@ from ddptrain.models.adapters import ModelAdapter
 from ddptrain.models.spec import ModelSpec
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.builder import decay_steps
-from ddptrain.train.checkpoint import STRATEGY_DIR
 from ddptrain.train.faults import FaultInjector
 from ddptrain.train.final import SPEC_FILE, final_dir, save_final
 from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, model_defaults,
@@ -104,8 +103,14 @@ class Checkpointer:
         weights a LoRA adapter trains over against the ones `spec` was built on."""
         path = state["path"]
         check_base_weights(state.get("model_spec", {}), spec, path)
+        saved_strategy = state.get("config", {}).get("strategy", {}).get("name")
+        if ckpt.is_legacy(path) and saved_strategy != self.cfg.strategy.name:
+            raise ckpt.CheckpointError(f"{path} was written by strategy={saved_strategy} before checkpoints were "
+                                       f"strategy-neutral, in that strategy's own files; resume it once with "
+                                       f"strategy={saved_strategy} (its next checkpoint resumes on any strategy), "
+                                       f"then switch to strategy={self.cfg.strategy.name}")
         try:
-            engine.load(path / STRATEGY_DIR)
+            engine.load(ckpt.state_dir(path))
         except (ValueError, FileNotFoundError) as error:  # a checkpoint this world or strategy cannot read
             raise ckpt.CheckpointError(f"{path}: {error}") from error
         engine.load_progress_state_dict(state["engine"])

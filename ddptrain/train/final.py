@@ -25,9 +25,7 @@ from torch import nn
 
 from ddptrain.models.adapters import WEIGHTS_FILE, adapter_of, load_weights
 from ddptrain.models.spec import ModelSpec
-from ddptrain.strategies import strategy_class
 from ddptrain.train import checkpoint as ckpt
-from ddptrain.train.checkpoint import STRATEGY_DIR
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ def _load_from_checkpoint(path: Path) -> nn.Module:
         raise RuntimeError(f"{path} was written by an older ddptrain without a model spec; it cannot be loaded "
                            "as a model (resume training to write final/)")
     spec = ModelSpec.from_dict(state["model_spec"])
-    weights = strategy_class(state["config"]["strategy"]["name"]).read_full_weights(path / STRATEGY_DIR)
+    weights = ckpt.read_weights(path)
     model = adapter_of(spec).rebuild(spec)
     load_weights(model, weights, spec, path)
     return model

@@ -2,10 +2,10 @@
 
 A checkpoint carries the resolved config it was trained with. On resume every difference with the
 new config is either one of the keys below, applied on purpose (the learning rate and schedule,
-the length of the run, logging, evaluation, checkpointing, the layout of ranks and microbatches,
-which the objective does not depend on), or it is refused with the key, the old and the new
-value: a changed model, seed, data, global batch, precision, objective or strategy would silently
-continue another run, or fail deep inside torch or DeepSpeed.
+the length of the run, logging, evaluation, checkpointing, the layout of ranks and microbatches
+and the strategy, which the objective does not depend on: checkpoints are strategy-neutral), or
+it is refused with the key, the old and the new value: a changed model, seed, data, global batch,
+precision or objective would silently continue another run, or fail deep inside torch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddptrain.config.choices import STRATEGIES
 from ddptrain.config.schema import MODEL_SCHEMAS
 from ddptrain.train.checkpoint import CheckpointError
 
@@ -25,10 +24,10 @@ MAY_CHANGE = (
     "run.dir", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_examples",
     "trainer.grad_clip", "trainer.empty_step", "trainer.nonfinite", "optim.lr", "optim.schedule",
     "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps", "batch.micro_size", "batch.micro_tokens",
-    "data.cache_dir", "logger", "checkpoint", "dist",
+    "data.cache_dir", "logger", "checkpoint", "dist", "strategy",
 )
-"""Keys (or whole sections) that may differ from the checkpoint's config; and each strategy's own
-options that may (`StrategyChoice.may_change_on_resume` in ddptrain/config/choices.py)."""
+"""Keys (or whole sections) that may differ from the checkpoint's config. The world size is not in
+the config: it may change too."""
 
 SCHEDULE_KEYS = ("optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps",
                  "trainer.max_steps")
@@ -41,12 +40,6 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
             flat.update(_flatten(value, f"{prefix}{key}."))
         return flat if flat or not prefix else {prefix[:-1]: {}}
     return {prefix[:-1]: tree}
-
-
-def may_change(strategy: str | None) -> tuple[str, ...]:
-    """The keys that may change on resume for a run of `strategy`."""
-    choice = STRATEGIES.get(strategy)
-    return MAY_CHANGE + tuple(f"strategy.{option}" for option in (choice.may_change_on_resume if choice else ()))
 
 
 def _may_change(key: str, allowed_keys: tuple[str, ...]) -> bool:
@@ -69,15 +62,11 @@ def config_changes(saved: dict, current: dict, defaults: dict) -> list[tuple[str
 def check_config(saved: dict, current: dict, defaults: dict) -> list[tuple[str, Any, Any]]:
     """The changes to apply; raises CheckpointError listing every change that may not be made."""
     changes = config_changes(saved, current, defaults)
-    allowed = may_change(saved.get("strategy", {}).get("name"))
+    allowed = MAY_CHANGE
     refused = [change for change in changes if not _may_change(change[0], allowed)]
     if refused:
         lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
-        hint = ""
-        if any(key == "strategy.name" for key, _, _ in refused):
-            hint = (" A checkpoint's optimizer state is in its strategy's own format, so it resumes with the "
-                    "strategy that wrote it.")
-        raise CheckpointError(f"the config differs from the checkpoint's in keys that cannot change on resume: {lines}.{hint}"
+        raise CheckpointError(f"the config differs from the checkpoint's in keys that cannot change on resume: {lines}."
                               " Resume with the checkpoint's values, or start a new run (another run.dir, or "
                               f"checkpoint.resume=none). Keys that may change: {', '.join(allowed)}")
     for key, old, new in changes:
