@@ -1,0 +1,104 @@
+"""Resuming across strategies and world sizes through the CLI: one run, restarted with another
+strategy or rank count, keeps the loss curve of a run that never stopped. Each test is a row of the
+transition table in docs/checkpoints-and-preemption.md."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, TINY_RUN, import_deepspeed, read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2", "optim.schedule=constant",
+       "trainer.eval_examples=4", "dist.timeout_s=60", "checkpoint.every=2"]
+LEGACY = REPO / "tests" / "data" / "legacy_checkpoints.tar.gz"
+"""Runs of 4 steps written by ddptrain before checkpoints were strategy-neutral (ddp on 2 ranks in
+fp64, zero2 on 2 ranks in fp32), with RUN's settings and checkpoint.every=4."""
+
+
+def train(run_dir: Path, steps: int, strategy: str, nproc: int, precision: str, *extra: str) -> str:
+    result = run_cli([*RUN, f"run.dir={run_dir}", f"trainer.max_steps={steps}", f"strategy={strategy}",
+                      f"trainer.precision={precision}", *extra], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
+
+
+def chain(run_dir: Path, precision: str, legs: list[tuple[int, str, int]]) -> list[float]:
+    """Train one run dir leg by leg: (up to step, strategy, ranks); every leg after the first resumes."""
+    for index, (steps, strategy, nproc) in enumerate(legs):
+        log = train(run_dir, steps, strategy, nproc, precision)
+        if index:
+            assert "resumed from" in log, log[-3000:]
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, legs[-1][0] + 1)), "one metrics line per step"
+    return [m["loss"] for m in metrics]
+
+
+def assert_same_curve(losses: list[float], reference: list[float], tolerance: float) -> None:
+    assert len(losses) <= len(reference)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    assert worst < tolerance, f"largest relative difference {worst:.2e} (allowed {tolerance:.0e})"
+
+
+@pytest.fixture(scope="module")
+def straight_fp32(tmp_path_factory) -> list[float]:
+    run_dir = tmp_path_factory.mktemp("straight_fp32")
+    train(run_dir, 10, "ddp", 2, "fp32")
+    return [m["loss"] for m in read_metrics(run_dir)]
+
+
+def test_fp64_ddp_to_fsdp_on_one_rank_and_back_keeps_the_curve(tmp_path):
+    straight = tmp_path / "straight"
+    train(straight, 10, "ddp", 2, "fp64")
+    losses = chain(tmp_path / "run", "fp64", [(4, "ddp", 2), (8, "fsdp", 1), (10, "ddp", 2)])
+    assert_same_curve(losses, [m["loss"] for m in read_metrics(straight)], 1e-9)
+
+
+def test_fp32_ddp_to_zero2_on_one_rank_to_zero3_on_two_keeps_the_curve(tmp_path, straight_fp32):
+    import_deepspeed()
+    losses = chain(tmp_path / "run", "fp32", [(4, "ddp", 2), (6, "zero2", 1), (8, "zero3", 2)])
+    assert_same_curve(losses, straight_fp32, 2e-5)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_zero_saved_on_two_ranks_resumes_on_one_and_back(tmp_path, straight_fp32, strategy):
+    import_deepspeed()
+    losses = chain(tmp_path / "run", "fp32", [(4, strategy, 2), (6, strategy, 1), (8, strategy, 2)])
+    assert_same_curve(losses, straight_fp32, 2e-5)
+
+
+def _legacy_run(tmp_path: Path, name: str) -> Path:
+    with tarfile.open(LEGACY) as archive:
+        archive.extractall(tmp_path, filter="data")
+    run_dir = tmp_path / name
+    assert (run_dir / "checkpoints" / "step_00000004" / "strategy").is_dir()  # the old layout
+    return run_dir
+
+
+@pytest.mark.parametrize("strategy, precision, tolerance", [("ddp", "fp64", 1e-9), ("zero2", "fp32", 2e-5)])
+def test_a_checkpoint_from_before_the_neutral_layout_resumes_with_its_strategy(tmp_path, strategy, precision,
+                                                                               tolerance):
+    if strategy.startswith("zero"):
+        import_deepspeed()
+    run_dir = _legacy_run(tmp_path, strategy)
+    log = train(run_dir, 6, strategy, 2, precision, "checkpoint.every=4")
+    assert "resumed from" in log and "step_00000004" in log
+    straight = tmp_path / "straight"
+    train(straight, 6, strategy, 2, precision, "checkpoint.every=4")
+    assert_same_curve([m["loss"] for m in read_metrics(run_dir)], [m["loss"] for m in read_metrics(straight)],
+                      tolerance)
+    assert (run_dir / "checkpoints" / "step_00000006" / "state" / ".metadata").is_file(), "the next one is neutral"
+
+
+def test_a_checkpoint_from_before_the_neutral_layout_names_its_strategy_when_another_resumes_it(tmp_path):
+    run_dir = _legacy_run(tmp_path, "ddp")
+    result = run_cli([*RUN, f"run.dir={run_dir}", "trainer.max_steps=6", "strategy=fsdp", "trainer.precision=fp64",
+                      "checkpoint.every=4"], nproc=1)
+    assert result.returncode != 0
+    assert "written by strategy=ddp before checkpoints were strategy-neutral" in result.stderr, result.stderr[-3000:]
+    assert "resume it once with strategy=ddp" in result.stderr
+    assert (run_dir / "checkpoints" / "step_00000004" / "COMPLETE.json").is_file(), "nothing saved is lost"
