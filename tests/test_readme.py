@@ -91,8 +91,8 @@ COMMANDS = {
     "++strategy.deepspeed.zero_force_ds_cpu_optimizer=false":
         "not run: 8 ranks with CPU offload; tests/test_zero.py::test_deepspeed_config_is_derived_and_checked "
         "checks how strategy.deepspeed keys merge",
-    "python ckpt/zero_to_fp32.py ckpt consolidated/ --tag zero":
-        "tests/test_zero.py::test_zero_checkpoint_converts_to_the_model_state_dict (through the same function)",
+    "python -m torch.distributed.checkpoint.format_utils dcp_to_torch ckpt full.pt":
+        "tests/test_zero.py::test_zero_checkpoint_converts_to_the_model_state_dict",
     "pip install 'ddptrain[serve]'": "not run: installs packages (the test extra has what tests/test_serve.py needs)",
     "python -m ddptrain trainer.max_steps=2000 run.dir=runs/code":
         "not run: trains 2000 steps; tests/test_serve.py trains a short run to serve",
@@ -217,11 +217,6 @@ UNTESTED = {
     "python -m ddptrain strategy=zero1": {
         "strategy=zero1": "the named test runs strategy=zero2 in a world of one (zero1 runs on 2 ranks in "
                           "test_zero_loss_curve_matches_ddp)",
-    },
-    "python ckpt/zero_to_fp32.py ckpt consolidated/ --tag zero": {
-        "zero_to_fp32.py": "the test calls the script's function, deepspeed.utils.zero_to_fp32."
-                           "get_fp32_state_dict_from_zero_checkpoint",
-        "--tag": "passed to that function as tag='zero'",
     },
     "python -m ddptrain.verify batch.micro_size=2": {
         "ddptrain.verify": "the test calls ddptrain.verify.main([...]) in-process, not `python -m ddptrain.verify`",

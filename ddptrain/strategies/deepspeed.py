@@ -369,12 +369,12 @@ class DeepSpeedStrategy(Strategy):
 
         states = optimizer.get("state", {})
         names = neutral.trainable_names(self._module)
+        scalars, moments = self._optimizer_keys()  # ZeRO's flat state exists, linked to the parameters
         missing = [name for name in names if name not in states]
-        if missing:
+        if missing and (scalars or moments):  # an optimizer without state (plain SGD) saves none
             raise ValueError(f"{directory}: the checkpoint holds no optimizer state for {missing[:5]}")
-        self._optimizer_keys()  # ZeRO's flat state exists (and is linked to the parameters) before it is set
         for name, param in names.items():
-            for key, value in states[name].items():
+            for key, value in states.get(name, {}).items():
                 if value.dim() > 0:
                     safe_set_full_optimizer_state(param, value, key)
         # Step counts are one number per flat partition here and per parameter elsewhere; ddptrain

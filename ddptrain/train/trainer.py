@@ -213,10 +213,10 @@ class Trainer:
         self.checkpointer.save_final(self.step, self.engine, self.built.model, self.built.spec, self.built.adapter)
 
     def trainer_state(self) -> dict:
-        """What a checkpoint holds besides the strategy's files (rank 0 writes it)."""
+        """What a checkpoint holds besides weights and optimizer state (rank 0 writes it)."""
         return {
             **self.state.state_dict(),
-            "engine": self.engine.progress_state_dict(),  # weights and optimizer: the strategy's own files
+            "engine": self.engine.progress_state_dict(),  # weights and optimizer: state/, Engine.save
             "data": self.train_batches.state_dict(self.step),
             "wandb_run_id": self.metrics.run_id,
             "world_size": self.dist.world_size,
