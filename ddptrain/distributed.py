@@ -117,6 +117,7 @@ def _restart_safe_store(timeout: datetime.timedelta) -> dict:
 
 def destroy_distributed() -> None:
     if is_distributed():
+        _BACKGROUND_GROUP.clear()
         dist.destroy_process_group()
 
 
@@ -134,6 +135,25 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def all_ranks(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on every rank (one tiny all-reduce)."""
+    return not any_rank(not flag, device)
+
+
+_BACKGROUND_GROUP: list = []
+
+
+def background_group():
+    """A gloo process group of its own, for collectives in a background thread (checkpoint writes)
+    that must never interleave with the training group's; None without a process group. Made at
+    the first call (collective then: every rank calls it at the same point)."""
+    if not is_distributed():
+        return None
+    if not _BACKGROUND_GROUP:
+        _BACKGROUND_GROUP.append(dist.new_group(backend="gloo"))
+    return _BACKGROUND_GROUP[0]
 
 
 def first_failure(error: BaseException | None) -> tuple[int, str] | None:

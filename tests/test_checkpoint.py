@@ -88,6 +88,29 @@ def test_kill_while_writing_a_checkpoint_falls_back_to_the_previous(straight, tm
     assert_bitwise_equal(final_weights(tmp_path, 12), final_weights(straight, 12))
 
 
+def test_async_saves_commit_in_the_background_and_resume_bitwise(straight, tmp_path):
+    train(tmp_path, "trainer.max_steps=7", "checkpoint.every=3", "checkpoint.async_save=true", "checkpoint.keep=5")
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [3, 6, 7], "every background save committed"
+    log = (tmp_path / "train.log").read_text()
+    assert log.count("checkpoint of step 3 saved") == 1 and log.count("checkpoint of step 6 saved") == 1
+    train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3", "checkpoint.async_save=true",
+          "checkpoint.resume=" + str(ckpt.checkpoint_dir(tmp_path) / ckpt.step_name(6)))
+    assert losses(tmp_path) == losses(straight)
+    assert_bitwise_equal(final_weights(tmp_path, 12), final_weights(straight, 12))
+
+
+def test_a_kill_during_an_async_save_resumes_from_the_previous_checkpoint_bitwise(straight, tmp_path):
+    """Rank 0 is SIGKILLed right after the background write of step 6 started: step 6 never
+    becomes complete, and the restart resumes from step 3."""
+    train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3", "checkpoint.async_save=true",
+          env={"DDPTRAIN_FAILPOINT": "kill_in_checkpoint@6:0"}, torchrun_args=["--max-restarts=1"])
+    log = (tmp_path / "train.log").read_text()
+    assert "step_00000003" in log.split("resumed from", 1)[1].splitlines()[0], "must resume from step 3"
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 13))
+    assert losses(tmp_path) == losses(straight)
+    assert_bitwise_equal(final_weights(tmp_path, 12), final_weights(straight, 12))
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_corrupted_newest_checkpoint_is_named_and_skipped(straight, tmp_path, damage):
     train(tmp_path, "trainer.max_steps=9", "checkpoint.every=3", "checkpoint.keep=5", nproc=1)

@@ -249,6 +249,10 @@ class CheckpointConfig:
     """Keep the newest K complete checkpoints (the only complete one is never deleted)."""
     resume: str = "auto"
     """auto (latest complete checkpoint in run.dir, else fresh) | none | a checkpoint path."""
+    async_save: bool = False
+    """Write weights and optimizer state in the background (dcp.async_save over a gloo group of its own):
+    the step waits only for the copy to host memory; the checkpoint becomes complete (digests, marker)
+    a few steps later, once every rank's files are written."""
     preempt_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that make every rank checkpoint at the next step boundary and exit."""
     preempt_check_every: int = 5

@@ -261,15 +261,16 @@ class Engine:
     def skipped_steps(self, value: int) -> None:
         self._skipped = torch.tensor(value, dtype=torch.int64, device=self.device)
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, background: bool = False):
         """Collective: the strategy writes weights and optimizer state to `directory` (each rank its part).
         Non-finite weights on any rank (any strategy, checked on each rank's own shards) are never
-        written: every rank raises FloatingPointError, and nothing is saved."""
+        written: every rank raises FloatingPointError, and nothing is saved. `background`: return once
+        the state is copied off the device, with a future of the write, done in the background."""
         bad = self.strategy.nonfinite_weights()
         if any_rank(bool(bad), self.device):
             raise FloatingPointError(f"weights {bad[:3] or '(on another rank)'} are not finite; no checkpoint is "
                                      "written and the previous one is kept")
-        self.strategy.save(Path(directory))
+        return self.strategy.save(Path(directory), background=background)
 
     def load(self, directory: str | Path) -> None:
         """Collective: restore what `save` wrote (sharded strategies may reshard to this world size)."""

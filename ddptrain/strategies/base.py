@@ -137,9 +137,21 @@ class Strategy(abc.ABC):
 
     # -- checkpoints: the strategy-neutral layout of ddptrain/strategies/state.py -----------------
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path, background: bool = False):
         """Collective: write the full-model view of weights and optimizer state to `directory` (a DCP
         directory, each rank its part), in the layout every strategy loads on any world size.
+
+        `background`: return once the state is copied off the device, with a future of the write,
+        which DCP does in a background thread (ddptrain/strategies/state.py `save_async`)."""
+        state = self.state_to_save()
+        if background:
+            return neutral.save_async(state, directory)
+        neutral.save(state, directory)
+        return None
+
+    def state_to_save(self) -> dict:
+        """Collective: {"model": ..., "optimizer": ...} in the neutral layout's names, tensors as the
+        strategy holds them (DTensor shards, or full tensors every rank has).
 
         This default is torch's own `get_state_dict` over a torch model and optimizer (ddp, fsdp);
         a strategy that keeps its state elsewhere (DeepSpeed's partitions) maps it to the same names."""
@@ -148,7 +160,7 @@ class Strategy(abc.ABC):
         if fresh:  # torch created the state by a step at learning rate 0, which counted: uncount it
             neutral.zero_step_counts(self.optimizer.state.values())
             neutral.zero_step_counts(optimizer_state["state"].values())
-        neutral.save({"model": model_state, "optimizer": optimizer_state}, directory)
+        return {"model": model_state, "optimizer": optimizer_state}
 
     def load(self, directory: Path) -> None:
         """Collective: restore what any strategy's `save` wrote, on any world size (DCP reshards), or a

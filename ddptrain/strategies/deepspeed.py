@@ -314,7 +314,7 @@ class DeepSpeedStrategy(Strategy):
                 out[key] = tensor.detach().cpu().clone()
         return out
 
-    def save(self, directory: Path) -> None:
+    def state_to_save(self) -> dict:
         """The neutral layout (ddptrain/strategies/state.py) that every strategy loads: the full fp32
         weights, and each parameter's optimizer state assembled from ZeRO's partitions by name
         (DeepSpeed's `safe_get_full_optimizer_state`; collective, one parameter at a time)."""
@@ -329,7 +329,7 @@ class DeepSpeedStrategy(Strategy):
             states[name] = entry
         groups = [{**{key: value for key, value in group.items() if key != "params"}, "params": names}
                   for group, names in zip(self.optimizer.param_groups, self._group_names)]
-        neutral.save({"model": model, "optimizer": {"state": states, "param_groups": groups}}, directory)
+        return {"model": model, "optimizer": {"state": states, "param_groups": groups}}
 
     def load(self, directory: Path) -> None:
         """Whatever any strategy saved, on any world size: the full weights go into the module (ZeRO-3

@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from ddptrain.distributed import background_group
+
 METADATA = ".metadata"
 """DCP's index file: its presence marks a neutral state directory."""
 
@@ -40,6 +42,14 @@ def save(state: dict, directory: Path) -> None:
     """Collective: write `state` ({"model": ..., "optimizer": ...}) as a DCP directory. Plain tensors
     that every rank holds are written once (DCP deduplicates them); DTensors each rank its shards."""
     dcp.save(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+
+
+def save_async(state: dict, directory: Path):
+    """Collective: `save` in DCP's background thread, over a gloo group of its own (so that its
+    collectives never interleave with training's). Returns once the state is staged in host
+    memory, with a future that is done when every file is written and fsynced."""
+    group = background_group()
+    return dcp.async_save(state, checkpoint_id=str(directory), process_group=group, no_dist=group is None)
 
 
 def load_into(state: dict, directory: Path, collective: bool | None = None) -> None:

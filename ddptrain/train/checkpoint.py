@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -100,12 +101,104 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
     """Collective: every rank calls it. Returns the final directory.
 
     `trainer_state` is written by rank 0 (None elsewhere is fine). `save_state(dir)` (Engine.save:
-    the strategy's weights and optimizer state, each rank its part) is called on every rank with `strategy/`.
+    weights and optimizer state, each rank its part) is called on every rank with `state/`.
     Every rank then fsyncs and hashes its share of the files (balanced by size, so no rank reads
     everything); rank 0 gathers the digests and writes the marker. An error on any rank (a full
     disk) fails every rank at once, names the path and the cause, removes the temporary directory
     and keeps the previous checkpoint. `failpoint` (tests) is called between the payload and the marker.
     """
+    final, tmp = _open(run_dir, step)
+    if tmp is None:  # this step is already saved (a preemption right after a checkpoint step)
+        return final
+    error: BaseException | None = None
+    try:
+        _write_small_files(tmp, trainer_state)
+        if save_state is not None:
+            save_state(tmp / STATE_DIR)
+        if failpoint is not None:
+            failpoint()
+    except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+        error = _write_error(step, caught, tmp)
+    _fail_together(error, tmp)
+    digests: dict[str, str] = {}
+    try:
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        digests = _digests(tmp, _shares(files, get_world_size())[get_rank()])
+    except OSError as caught:
+        error = CheckpointError(f"checkpoint of step {step}: {describe_write_error(caught, tmp)}")
+    _fail_together(error, tmp)
+    _commit(step, tmp, final, digests)
+    return final
+
+
+class PendingCheckpoint:
+    """A checkpoint whose weights and optimizer state are still being written in the background
+    (checkpoint.async_save): DCP's writer thread, then this rank's digests of what it wrote. Nothing
+    is visible under the final name until `commit`, so a kill before it leaves the previous
+    checkpoint the newest complete one."""
+
+    def __init__(self, step: int, tmp: Path, final: Path, digests: dict[str, str], writing):
+        self.step, self.tmp, self.final = step, tmp, final
+        self._digests = digests  # of the files written before the background part (trainer.pt, RNG)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-checkpoint")
+        self._hashed = self._pool.submit(self._finish, writing)
+
+    def _finish(self, writing) -> dict[str, str]:
+        """In the background: wait for DCP's writes (fsynced by its writer), then hash this rank's
+        files of them (`__<rank>_*.distcp`, and rank 0's `.metadata`)."""
+        writing.result()
+        state = self.tmp / STATE_DIR
+        mine = sorted(state.glob(f"__{get_rank()}_*"))
+        if is_rank_zero():
+            mine += [path for path in state.iterdir() if path.is_file() and not path.name.startswith("__")]
+        return _digests(self.tmp, mine)
+
+    def done(self) -> bool:
+        """Whether this rank's part is written and hashed (local: no collective)."""
+        return self._hashed.done()
+
+    def commit(self) -> Path:
+        """Collective: wait for every rank's part, then the marker and the rename (or, when a rank's
+        write failed, a CheckpointError on every rank and the temporary directory removed)."""
+        error, digests = None, {}
+        try:
+            digests = {**self._digests, **self._hashed.result()}
+        except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+            error = _write_error(self.step, caught, self.tmp)
+        finally:
+            self._pool.shutdown(wait=False)
+        _fail_together(error, self.tmp)
+        _commit(self.step, self.tmp, self.final, digests)
+        return self.final
+
+
+def start_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None, save_state_async,
+                     failpoint=None) -> PendingCheckpoint | Path:
+    """Collective: `write_checkpoint` with the weights and optimizer state written in the
+    background. `save_state_async(dir)` returns a future of the write once what it needs is copied
+    off the device (Engine.save(dir, background=True)). Returns the PendingCheckpoint to commit, or the
+    final directory when the step is already saved."""
+    final, tmp = _open(run_dir, step)
+    if tmp is None:
+        return final
+    error, pending = None, None
+    try:
+        _write_small_files(tmp, trainer_state)
+        small = [tmp / f"rng_rank{get_rank()}.pt"] + ([tmp / "trainer.pt"] if is_rank_zero() and trainer_state is not None
+                                                     else [])
+        writing = save_state_async(tmp / STATE_DIR)
+        pending = PendingCheckpoint(step, tmp, final, _digests(tmp, small), writing)
+        if failpoint is not None:
+            failpoint()
+    except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+        error = _write_error(step, caught, tmp)
+    _fail_together(error, tmp)
+    return pending
+
+
+def _open(run_dir: str | Path, step: int) -> tuple[Path, Path | None]:
+    """Collective: (the final directory, a fresh temporary one to write into), or (final, None)
+    when that step is already complete. Rank 0 decides and tells the others."""
     root = checkpoint_dir(run_dir)
     final = root / step_name(step)
     tmp = root / f".tmp-{step_name(step)}"
@@ -124,30 +217,31 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
         dist.broadcast_object_list(decided, src=0)
     if decided[1] is not None:
         raise CheckpointError(decided[1])
-    if decided[0]:  # this step is already saved (a preemption right after a checkpoint step)
-        return final
-    error: BaseException | None = None
-    try:
-        if is_rank_zero() and trainer_state is not None:
-            save_torch(trainer_state, tmp / "trainer.pt")
-        save_torch(rng_state(), tmp / f"rng_rank{get_rank()}.pt")
-        if save_state is not None:
-            save_state(tmp / STATE_DIR)
-        if failpoint is not None:
-            failpoint()
-    except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
-        error = CheckpointError(f"checkpoint of step {step} could not be written: {describe_write_error(caught, tmp)}; "
-                                "the previous checkpoint is kept")
-    _fail_together(error, tmp)
-    digests: dict[str, str] = {}
-    try:
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        for path in _shares(files, get_world_size())[get_rank()]:
-            fsync_file(path)
-            digests[str(path.relative_to(tmp))] = sha256_file(path)
-    except OSError as caught:
-        error = CheckpointError(f"checkpoint of step {step}: {describe_write_error(caught, tmp)}")
-    _fail_together(error, tmp)
+    return final, None if decided[0] else tmp
+
+
+def _write_small_files(tmp: Path, trainer_state: dict | None) -> None:
+    if is_rank_zero() and trainer_state is not None:
+        save_torch(trainer_state, tmp / "trainer.pt")
+    save_torch(rng_state(), tmp / f"rng_rank{get_rank()}.pt")
+
+
+def _write_error(step: int, caught: BaseException, tmp: Path) -> CheckpointError:
+    return CheckpointError(f"checkpoint of step {step} could not be written: {describe_write_error(caught, tmp)}; "
+                           "the previous checkpoint is kept")
+
+
+def _digests(tmp: Path, files: list[Path]) -> dict[str, str]:
+    """fsync and sha256 of `files`, by their path under `tmp`."""
+    digests = {}
+    for path in files:
+        fsync_file(path)
+        digests[str(path.relative_to(tmp))] = sha256_file(path)
+    return digests
+
+
+def _commit(step: int, tmp: Path, final: Path, digests: dict[str, str]) -> None:
+    """Collective: rank 0 gathers every rank's digests, writes the marker and renames `tmp` to `final`."""
     gathered = _gather(digests)
     if is_rank_zero():
         sums = {name: digest for part in gathered for name, digest in sorted(part.items())}
@@ -156,9 +250,8 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
                                      indent=1))
         fsync_file(marker)
         os.replace(tmp, final)
-        fsync_dir(root)
+        fsync_dir(final.parent)
     barrier()
-    return final
 
 
 def _gather(obj) -> list:

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ddptrain.config.schema import TrainConfig
-from ddptrain.distributed import DistInfo, Rank0Filter, barrier, is_rank_zero, raise_on_every_rank
+from ddptrain.distributed import DistInfo, Rank0Filter, all_ranks, barrier, is_rank_zero, raise_on_every_rank
 from ddptrain.engine.engine import Engine
 from ddptrain.fsutil import describe_write_error
 from ddptrain.models.adapters import ModelAdapter
@@ -41,6 +41,8 @@ class Checkpointer:
         self.every = cfg.checkpoint.every
         self.last_step = cfg.trainer.max_steps
         self.faults = faults
+        self.async_save = cfg.checkpoint.async_save
+        self._pending: ckpt.PendingCheckpoint | None = None
         self.config_changes: list = []
         self._lock: RunDirLock | None = None
         self._file_log: logging.Handler | None = None
@@ -145,7 +147,11 @@ class Checkpointer:
 
     def save(self, step: int, engine: Engine, trainer_state: Callable[[], dict]) -> Path:
         """Collective. Non-finite weights are refused by Engine.save (the last good checkpoint stays);
-        an error on any rank (non-finite weights, a full disk) fails every rank at once."""
+        an error on any rank (non-finite weights, a full disk) fails every rank at once. With
+        checkpoint.async_save the weights and optimizer state are written in the background and the
+        checkpoint is committed by a later `poll` or `wait` (an earlier one still being written is
+        committed first)."""
+        self.wait()
         state, error = None, None
         if is_rank_zero():
             try:
@@ -154,11 +160,33 @@ class Checkpointer:
                 error = caught
         raise_on_every_rank(error)
         failpoint = self.faults.in_checkpoint(step) if self.faults is not None else None
+        if self.async_save and step != self.last_step:  # the last step's is waited for anyway: no gain
+            started = ckpt.start_checkpoint(self.run_dir, step, state, failpoint=failpoint,
+                                            save_state_async=lambda d: engine.save(d, background=True))
+            if isinstance(started, ckpt.PendingCheckpoint):
+                self._pending = started
+                return started.final
+            return started
         path = ckpt.write_checkpoint(self.run_dir, step, state, save_state=lambda d: engine.save(d),
                                      failpoint=failpoint)
+        self._saved(step, path)
+        return path
+
+    def poll(self, step: int) -> None:
+        """Collective, on every step: commit a background save once every rank's part is written
+        (a one-number all-reduce while one is pending; nothing otherwise)."""
+        if self._pending is not None and all_ranks(self._pending.done(), self.dist.device):
+            self.wait()
+
+    def wait(self) -> None:
+        """Collective: commit the background save under way, if any (waiting for its writes)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._saved(pending.step, pending.commit())
+
+    def _saved(self, step: int, path: Path) -> None:
         ckpt.purge(self.run_dir, self.cfg.checkpoint.keep, protect=path)
         log.info("checkpoint of step %d saved in %s", step, path)
-        return path
 
     # -- final weights -------------------------------------------------------------------------
 
@@ -170,6 +198,7 @@ class Checkpointer:
 
     def save_final(self, step: int, engine: Engine, model: nn.Module, spec: ModelSpec, adapter: ModelAdapter) -> Path:
         """Collective: gathers the full weights (every strategy) and rank 0 writes run.dir/final/."""
+        self.wait()
         path = final_dir(self.run_dir)
         if self.final_is_current(step):  # a preemption right after the last step's save
             return path

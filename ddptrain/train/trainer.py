@@ -142,6 +142,7 @@ class Trainer:
                     self._log_step(stats, lr, val_loss)
                 if save:
                     self.checkpointer.save(step, self.engine, self.trainer_state)
+                self.checkpointer.poll(step)  # commits a background save once every rank has written it
                 if step == last:
                     self._save_final()
                 elif self.preemption.should_stop_at(step):
