@@ -1,4 +1,5 @@
-"""Checkpoint save and verify time against size, on 2 gloo ranks, beside a plain torch.save.
+"""Checkpoint save and verify time against size, on 2 gloo ranks, beside a plain torch.save; and
+the training stall per save with and without checkpoint.async_save.
 
     python -m benchmarks.bench_checkpoint [--mb 400] [--dir /tmp]
 
@@ -10,6 +11,13 @@ Printed side by side, in seconds per GB of checkpoint:
 - ddptrain save  write_checkpoint: every rank fsyncs and hashes its share; rank 0 writes the marker
 - verify before  rank 0 hashes every file serially (the previous resume check)
 - verify now     agree_on_checkpoint: every rank hashes its share
+
+Then a real Engine (ddp on the same 2 ranks, a GPT whose weights and AdamW state make about --mb)
+trains and checkpoints, and each save's stall of the training loop is printed side by side:
+
+- sync           write_checkpoint: the step waits for every file, digest and the marker
+- async          start_checkpoint (the copy to host memory) + commit (digests of the files written in
+                 the background, marker, rename) after the steps that ran meanwhile
 """
 
 from __future__ import annotations
@@ -96,6 +104,55 @@ def _ranks(root: str, megabytes: int, rounds: int) -> dict:
     return figures
 
 
+def _stall(root: str, megabytes: int, rounds: int) -> dict:
+    """Seconds the loop stands still per save, sync and async, on a real Engine (ddp)."""
+    from ddptrain.distributed import all_ranks, barrier, get_rank, is_rank_zero
+    from ddptrain.engine.engine import Engine
+    from ddptrain.models.gpt import GPT, GPTConfig
+    from ddptrain.train import checkpoint as ckpt
+    from ddptrain.train.optim import build_optimizer
+
+    vocab, width = 8192, 64
+    while 3 * 4 * (vocab * (width + 64) + 12 * (width + 64) ** 2) <= megabytes * (1 << 20):
+        width += 64  # weights + AdamW's two moments, fp32: about `megabytes` in all
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, max_seq_len=64, n_layer=1, n_head=2, n_embd=width))
+    engine = Engine(model, build_optimizer(model, "adamw", 1e-3, 0.1, (0.9, 0.95)), "ddp", device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(get_rank())
+
+    def step():
+        tokens = torch.randint(0, vocab, (2, 65), generator=generator)
+        engine.step([(tokens[:, :-1], tokens[:, 1:])])
+
+    step()
+    figures: dict[str, list[float]] = {"sync": [], "async": [], "async start": [], "async commit": [],
+                                       "steps during write": []}
+    for index in range(rounds):
+        run = Path(root) / f"stall{index}"
+        figures["sync"].append(_timed(lambda: ckpt.write_checkpoint(run, 1, {"step": 1}, save_state=engine.save)))
+        barrier()
+        started = time.perf_counter()
+        pending = ckpt.start_checkpoint(run, 2, {"step": 2}, lambda d: engine.save(d, background=True))
+        start = time.perf_counter() - started
+        steps = 0
+        while not all_ranks(pending.done(), torch.device("cpu")):
+            step()
+            steps += 1
+        started = time.perf_counter()
+        pending.commit()
+        commit = time.perf_counter() - started
+        figures["async start"].append(start)
+        figures["async commit"].append(commit)
+        figures["async"].append(start + commit)
+        figures["steps during write"].append(steps)
+        if is_rank_zero():
+            figures.setdefault("bytes", []).append(sum(p.stat().st_size for p in (run / "checkpoints").rglob("*")
+                                                       if p.is_file()))
+            shutil.rmtree(run)
+        barrier()
+    return figures
+
+
 def main() -> None:
     from ddptrain.testing import run_distributed
 
@@ -107,6 +164,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir)
     try:
         figures = run_distributed(_ranks, 2, root, args.mb, args.rounds, timeout_s=1800)[0]
+        stalls = run_distributed(_stall, 2, root, args.mb, args.rounds, timeout_s=1800)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gigabytes = sum(figures.pop("bytes")) / len(figures["torch.save"]) / 1e9
@@ -114,6 +172,14 @@ def main() -> None:
     for name, seconds in figures.items():
         median = sorted(seconds)[len(seconds) // 2]
         print(f"  {name:<14} {median:8.3f} s   {median / gigabytes:8.3f} s/GB")
+    size = sum(stalls.pop("bytes")) / len(stalls["sync"]) / 1e9
+    steps = stalls.pop("steps during write")
+    print(f"training stall per save, a {size / 2:.3f} GB checkpoint of a ddp Engine on 2 ranks (median seconds; "
+          "two checkpoints per round, one each way):")
+    print(f"  {'sync':<14} {'async':>8} {'start':>8} {'commit':>8}   steps trained while writing")
+    median = {name: sorted(values)[len(values) // 2] for name, values in stalls.items()}
+    print(f"  {median['sync']:<14.3f} {median['async']:>8.3f} {median['async start']:>8.3f} "
+          f"{median['async commit']:>8.3f}   {sorted(steps)[len(steps) // 2]}")
 
 
 if __name__ == "__main__":

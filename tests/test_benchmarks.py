@@ -72,3 +72,12 @@ def test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl():
             ratio = float(next(line for line in lines if line.startswith(f"{name} / trl ")).split()[-1])
             assert ratio == pytest.approx(rate / float(rows["trl"][0].replace(",", "")), rel=0.01, abs=0.006), out
     assert lines[-1].startswith("best ddptrain layout: ddptrain-") and lines[-1].endswith("(target >= 1.3)"), out
+
+
+def test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save():
+    out = _run("benchmarks.bench_checkpoint", "--mb", "8", "--rounds", "1")
+    assert out.startswith("checkpoint of "), out
+    table = out.split("training stall per save", 1)[1].splitlines()
+    assert table[1].split()[:4] == ["sync", "async", "start", "commit"], out
+    sync, asynchronous, start, commit, steps = (float(value) for value in table[2].split())
+    assert asynchronous == pytest.approx(start + commit, abs=2e-3) and sync > 0 and steps >= 0, out
