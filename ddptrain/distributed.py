@@ -101,6 +101,10 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
 
 
+_ATTEMPT_KEY = "ddptrain/attempt_store"
+"""Rank 0's entry in the agent's store ("PORT ATTEMPT_ID"), and the id in the store it started."""
+
+
 def _restart_safe_store(timeout: datetime.timedelta) -> dict:
     """Under torchrun's shared agent store, a store of this attempt only; otherwise the default env://.
 
@@ -132,9 +136,6 @@ def _restart_safe_store(timeout: datetime.timedelta) -> dict:
     return {"store": store, "rank": env_rank(), "world_size": env_world_size()}
 
 
-_ATTEMPT_KEY = "ddptrain/attempt_store"
-
-
 def _published_attempt_store(agent: dist.Store, host: str, timeout: datetime.timedelta) -> dist.Store:
     """The store that this attempt's rank 0 published in the agent's store (see _restart_safe_store)."""
     deadline = time.monotonic() + timeout.total_seconds()
@@ -150,7 +151,8 @@ def _published_attempt_store(agent: dist.Store, host: str, timeout: datetime.tim
                 pass  # not this attempt's store after all (another process took the port)
         if time.monotonic() > deadline:
             raise dist.DistStoreError(f"rank {env_rank()}: no store of this attempt answered at {host} within "
-                                      f"{timeout.total_seconds():g}s (the agent store's {_ATTEMPT_KEY} = {port} {attempt})")
+                                      f"{timeout.total_seconds():g}s (the agent store's {_ATTEMPT_KEY} is "
+                                      f"{port} {attempt})")
         time.sleep(0.2)
 
 

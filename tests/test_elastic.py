@@ -152,3 +152,23 @@ def test_a_failpoint_fires_once_per_run_dir(tmp_path, monkeypatch):
     assert again.in_checkpoint(4) is None, "fired already in this run dir"
     assert FaultInjector.from_env(1, tmp_path / "other").in_checkpoint(4) is not None
     assert first.slow_from == 2
+
+
+@pytest.mark.slow
+def test_sigterm_on_a_scheduled_checkpoint_step_saves_and_logs_it_once(tmp_path):
+    """checkpoint.every=1: the step that the preemption checkpoints was just saved on schedule."""
+    run = subprocess.Popen([sys.executable, "-m", "ddptrain", *RUN, "checkpoint.every=1", f"run.dir={tmp_path}"],
+                           cwd=REPO, env={**os.environ, **ELASTIC_ENV}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(logged(tmp_path)) >= 3, "3 steps", 120, [run])
+        run.send_signal(signal.SIGTERM)
+        output, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 75, output[-3000:]
+    step = read_metrics(tmp_path)[-1]["step"]
+    assert f"preempted by SIGTERM at step {step} " in output, output[-3000:]
+    assert output.count(f"checkpoint of step {step} saved") == 1, output[-3000:]
