@@ -135,11 +135,11 @@ def test_a_node_lost_then_one_joining_keep_the_straight_runs_curve(straight, tmp
     resumes = [int(line.split("step_")[1][:8]) for line in log.splitlines() if "resumed from" in line]
     assert len(resumes) == 2, resumes
     assert resumes[0] < last_before_kill, "the survivor redid the steps after the last checkpoint"
-    first_on_two_again = sizes.index(2, sizes.index(1))
+    last_on_one = sizes.index(2, sizes.index(1))  # metrics[i] is step i + 1
     preempted = [line for line in log.splitlines() if "preempted by SIGTERM" in line]
-    assert preempted and f"at step {first_on_two_again} " in preempted[-1], preempted
-    assert resumes[1] == first_on_two_again, "the join lost no finished step"
-    assert log.count(f"checkpoint of step {first_on_two_again} saved") == 1
+    assert preempted and f"at step {last_on_one} " in preempted[-1], preempted
+    assert resumes[1] == last_on_one, "the join lost no finished step: 2 ranks resume after the last step on 1"
+    assert log.count(f"checkpoint of step {last_on_one} saved") == 1
 
 
 def test_a_failpoint_fires_once_per_run_dir(tmp_path, monkeypatch):
