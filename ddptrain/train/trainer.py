@@ -141,13 +141,8 @@ class Trainer:
                 val_loss = self.evaluator.run(self.engine) if evaluate else None
                 if log_line:
                     self._log_step(stats, lr, val_loss)
-<<<<<<< HEAD
-                if save:
-                    self.checkpointer.save(step, self.engine, self.trainer_state)
-                self.checkpointer.poll(step)  # commits a background save once every rank has written it
-=======
                 saved = self.checkpointer.save(step, self.engine, self.trainer_state) if save else None
->>>>>>> elastic
+                self.checkpointer.poll(step)  # commits a background save once every rank has written it
                 if step == last:
                     self._save_final()
                 elif self.preemption.should_stop_at(step):
