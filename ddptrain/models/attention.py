@@ -1,0 +1,181 @@
+"""Attention for packed rows: each document attends to itself alone, from its boundaries.
+
+Collation (ddptrain/data/packing.py) turns a microbatch's segment ids into `DocumentBoundaries`
+(ddptrain/data/boundaries.py) once, on the host: cu_seqlens-style offsets of every document in the flattened (B * T) rows, the
+longest document's length as a host int (so no kernel launch ever waits on `.item()`), and the
+gather plan below. Nothing here builds a T x T tensor unless the `mask` backend is asked for.
+Every run of equal segment ids in a row is a document, the row's padding included: padding then
+attends only to padding, as it does under the dense mask, so every backend computes the same
+numbers at every position.
+
+Backends (`trainer.attention`, picked at start-up by `select_backend`):
+
+- gather (any device): the documents are gathered into padded batches sorted by length and run
+  through plain causal SDPA, no mask (so flash or efficient kernels on CUDA), then scattered back.
+  Documents are bucketed by length (each bucket padded to its longest, at most twice its shortest,
+  all documents up to 16 tokens together), so the gather buffer holds at most about 2 x B x T
+  positions and one SDPA call runs per bucket (at most log2(T) of them). A causal row padded at
+  its end never lets a real token see the padding, so no mask is needed.
+- varlen (CUDA, bf16/fp16): torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`)
+  over the flattened rows with cu_seqlens.
+- flex (CUDA): FlexAttention with a document block mask (segments equal and causal), the block
+  mask built once per microbatch; as torchtitan does.
+- mask: the dense (B, 1, T, T) boolean mask with SDPA: the reference, and the fallback where the
+  others do not apply (with a warning).
+
+Whatever a backend derives from the boundaries (a sliding-window band, the block mask, the dense
+mask) is built once per microbatch and cached on the boundaries object, never per layer.
+Sliding windows (`window`: a query sees the `window` latest keys, itself included, transformers'
+convention) and grouped-query attention (fewer key/value heads) work on every backend.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ddptrain.config.choices import ATTENTION_BACKENDS, attention_refusal
+from ddptrain.data.boundaries import DocumentBoundaries
+
+log = logging.getLogger(__name__)
+
+DESCRIPTIONS = {
+    "gather": "documents gathered into length-sorted batches, causal SDPA without a mask",
+    "varlen": "torch's FlashAttention varlen kernel over cu_seqlens",
+    "flex": "FlexAttention with a document block mask",
+    "mask": "a dense (B, 1, T, T) mask with SDPA (the reference: T^2 memory per row)",
+}
+
+
+class AttentionError(ValueError):
+    """A backend cannot run as asked; the message names the backend and the rule."""
+
+
+# -- choosing a backend --------------------------------------------------------------------------------
+
+
+def select_backend(requested: str, device_type: str, precision: str) -> str:
+    """The backend that `trainer.attention=requested` means on this device and precision: auto is
+    varlen on CUDA in bf16/fp16 and gather everywhere else; a forced one is refused where missing."""
+    if requested not in ATTENTION_BACKENDS:
+        raise AttentionError(f"trainer.attention={requested!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if requested == "auto":
+        return "varlen" if attention_refusal("varlen", device_type, precision) is None else "gather"
+    refusal = attention_refusal(requested, device_type, precision)
+    if refusal is not None:
+        raise AttentionError(refusal)
+    return requested
+
+
+def describe(backend: str) -> str:
+    """The backend and what it does, for the start-up line (a `_target_` model's own: as given)."""
+    return f"{backend} ({DESCRIPTIONS[backend]})" if backend in DESCRIPTIONS else backend
+
+
+def warn_dense_fallback(reason: str) -> None:
+    log.warning("packed attention falls back to the dense mask: %s; it costs T^2 memory per row and "
+                "SDPA's masked path", reason)
+
+
+# -- the backends: q, k, v (B, H, T, d) -> (B, T, H, d) ---------------------------------------------------
+
+
+@torch.compiler.disable  # data-dependent gathers of ragged size: eager, so a compiled block never recompiles
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentBoundaries,
+           scale: float | None = None, dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
+    """Attention of every query to the earlier keys of its own document (the `window` latest
+    ones, when given) through `documents.backend`. q (B, H, T, d), k and v (B, Hkv, T, d) with H a
+    multiple of Hkv; returns (B, T, H, d)."""
+    backend = documents.backend or "gather"
+    if dropout and backend in ("varlen", "flex"):
+        raise AttentionError(f"trainer.attention={backend} has no attention dropout ({dropout}); "
+                             "use trainer.attention=gather or mask")
+    if backend == "gather":
+        return _gather(q, k, v, documents, scale, dropout, window)
+    if backend == "varlen":
+        return _varlen(q, k, v, documents, scale, window)
+    if backend == "flex":
+        return _flex(q, k, v, documents, scale, window)
+    if backend == "mask":
+        mask = documents.cached(("dense", window, q.device), lambda: dense_mask(documents.segments, window))
+        return _sdpa(q, k, v, mask, scale, dropout).transpose(1, 2)
+    raise AttentionError(f"unknown attention backend {backend!r} (one of {', '.join(DESCRIPTIONS)})")
+
+
+def causal(q, k, v, scale: float | None = None, dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
+    """Plain causal attention over whole rows (unpacked), (B, H, T, d) -> (B, T, H, d)."""
+    mask = None if window is None else band_mask(q.size(2), window, q.device)
+    return _sdpa(q, k, v, mask, scale, dropout).transpose(1, 2)
+
+
+def _sdpa(q, k, v, mask, scale, dropout):
+    gqa = k.size(1) != q.size(1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+
+
+def band_mask(length: int, window: int | None, device) -> torch.Tensor:
+    """(L, L) boolean: causal, and within the `window` latest keys when given."""
+    rows = torch.arange(length, device=device)
+    distance = rows[:, None] - rows[None, :]
+    allowed = distance >= 0
+    return allowed if window is None else allowed & (distance < window)
+
+
+def dense_mask(segments: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(B, 1, T, T) boolean: causal, inside one document (and the window): the reference."""
+    same = segments[:, :, None] == segments[:, None, :]
+    return (same & band_mask(segments.size(1), window, segments.device))[:, None]
+
+
+def _gather(q, k, v, documents, scale, dropout, window):
+    batch, heads, seq, dim = q.shape
+    flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]  # (N, H, d)
+    pieces = []
+    for number, bucket in enumerate(documents.buckets):
+        docs, longest = bucket.index.shape
+        qb, kb, vb = (t[bucket.index].transpose(1, 2) for t in flat)  # (n, H, L, d)
+        mask = None
+        if window is not None and window < longest:
+            mask = documents.cached(("band", number, window, q.device), lambda: band_mask(longest, window, q.device))
+        out = _sdpa(qb, kb, vb, mask, scale, dropout)  # (n, H, L, d)
+        pieces.append(out.transpose(1, 2).reshape(docs * longest, heads, dim)[bucket.keep])
+    return torch.cat(pieces)[documents.inverse].view(batch, seq, heads, dim)
+
+
+def _varlen(q, k, v, documents, scale, window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    batch, heads, seq, dim = q.shape
+    flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]
+    cu = documents.cu_seqlens
+    left = -1 if window is None else window - 1  # flash counts the keys before the query
+    out = varlen_attn(*flat, cu, cu, documents.max_length, documents.max_length, scale=scale,
+                      window_size=(left, 0), enable_gqa=k.size(1) != heads)
+    return out.view(batch, seq, heads, dim)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, documents, scale, window):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _compiled_flex is None:
+        # Uncompiled, flex attention materialises the scores; compiled once, its kernel is fused.
+        _compiled_flex = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+    segments = documents.segments
+    batch, _, seq, _ = q.shape
+
+    def document_causal(b, h, q_idx, kv_idx):
+        allowed = (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
+        return allowed if window is None else allowed & (q_idx - kv_idx < window)
+
+    block_mask = documents.cached(("flex", window, q.device), lambda: create_block_mask(
+        document_causal, batch, None, seq, seq, device=q.device))
+    out = _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
+    return out.transpose(1, 2)
