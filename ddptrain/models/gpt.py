@@ -114,10 +114,10 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
         if positions is None:
             positions = torch.arange(seq, device=idx.device)
-        if documents is not None and documents.backend is None:  # collation's: run them through ours
-            documents = documents.using(self.attention_backend)
-        elif segments is not None:  # segments without boundaries: the dense reference mask, built once
+        if documents is None and segments is not None:  # segments alone: the dense reference mask, built once
             documents = DocumentBoundaries.for_mask(segments)
+        elif documents is not None and documents.backend is None:  # collation's: run them through ours
+            documents = documents.using(self.attention_backend)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():

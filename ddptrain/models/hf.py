@@ -177,10 +177,10 @@ def max_positions(model: nn.Module) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def document_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive (B, 1, T, T) mask: causal and inside one document (0 allowed, dtype's min masked).
-    The `mask` backend's form for transformers' own attention functions."""
-    allowed = attention.dense_mask(segments)
+def document_mask(segments: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive (B, 1, T, T) mask: causal and inside one document (and the sliding window), 0
+    allowed, dtype's min masked. The `mask` backend's form for transformers' own attention functions."""
+    allowed = attention.dense_mask(segments, window)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
@@ -196,11 +196,22 @@ def _packed_rows_to_hf(module: nn.Module, args: tuple, kwargs: dict):
     segments, documents = kwargs.pop("segments"), kwargs.pop("documents", None)
     backend = getattr(module, "packed_attention", "mask")
     if backend == "mask" or documents is None:
-        kwargs["attention_mask"] = document_mask(segments, next(module.parameters()).dtype)
+        kwargs["attention_mask"] = document_mask(segments, next(module.parameters()).dtype, _sliding_window(module))
     else:
         kwargs["documents"] = documents if documents.backend is not None else documents.using(backend)
     kwargs["position_ids"] = kwargs.pop("positions")
     return (), {"input_ids": input_ids, **kwargs}
+
+
+def _sliding_window(model: nn.Module) -> int | None:
+    """The window of a model whose every layer slides (Mistral): a 4D mask given to transformers
+    replaces its own, window included. Models that mix windowed and full layers (Qwen2's
+    layer_types) cannot share one 4D mask; the probe then tells where documents exceed the window."""
+    config = model.config
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and set(layer_types) != {"sliding_attention"}):
+        return None
+    return window
 
 
 def packing_problem(model: nn.Module) -> str | None:
