@@ -87,11 +87,13 @@ def test_boundaries_are_offsets_and_a_bounded_gather_plan():
     # every run of one segment id in a row is one document, padding included
     runs = sum(1 + int((row[1:] != row[:-1]).sum()) for row in segments)
     assert len(lengths) == runs
-    assert sorted(documents.inverse.tolist()) == list(range(tokens)), "every token once"
-    buffer = sum(b.index.numel() for b in documents.buckets)
+    assert sorted(documents.token_position.tolist()) == sorted(set(documents.token_position.tolist()))
+    assert torch.equal(documents.gather_index[documents.token_position], torch.arange(tokens)), "every token once"
+    buffer = len(documents.gather_index)
+    assert buffer == sum(docs * longest for docs, longest in documents.buckets)
     small = int((lengths <= SMALL_DOCUMENT).sum())
     assert buffer <= 2 * tokens + SMALL_DOCUMENT * small, (buffer, tokens)
-    firsts = [int(b.index.shape[1]) for b in documents.buckets]
+    firsts = [longest for _, longest in documents.buckets]
     assert firsts == sorted(firsts, reverse=True) and len(firsts) <= int(np.log2(200)) - 3, "longest first"
 
 
@@ -101,7 +103,7 @@ def test_collation_carries_the_boundaries_and_they_travel_like_tensors():
     assert documents.segments is batch["segments"] and documents.backend is None
     assert documents.max_length <= SEQ and len(documents.cu_seqlens) > 2 * 3, "many documents per row"
     moved = documents.to("cpu")
-    assert moved.max_length == documents.max_length and torch.equal(moved.inverse, documents.inverse)
+    assert moved.max_length == documents.max_length and torch.equal(moved.token_position, documents.token_position)
 
 
 # -- backends against the dense mask -------------------------------------------------------------------
@@ -376,3 +378,21 @@ def test_a_packed_step_makes_no_host_sync_on_cuda(backend):
         for microbatches in steps[2:]:
             engine.step(microbatches)
     assert calls == [], f"host syncs in packed steps on CUDA ({backend}): {calls}"
+
+
+def test_attention_dropout_keeps_gather_or_is_refused_for_varlen_and_flex():
+    from ddptrain.models.adapters import GPTAdapter
+
+    model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=1, n_head=2, n_embd=16, dropout=0.1))
+    assert GPTAdapter().use_attention(model, "varlen", forced=False) == "gather" == model.attention_backend
+    with pytest.raises(ModelError, match="trainer.attention=flex has no attention dropout, and the model's is 0.1"):
+        GPTAdapter().use_attention(model, "flex", forced=True)
+
+
+def test_gather_of_one_document_per_row_is_causal_attention_over_the_rows():
+    documents = DocumentBoundaries.from_segments(np.zeros((2, 64), dtype=np.int64))
+    assert documents.rows_are_documents
+    tensors = qkv((2, 4, 64, 8), 2, torch.float64)
+    reference = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("mask"), window=5), tensors)
+    ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("gather"), window=5), tensors)
+    assert_close(ours, reference, 1e-9, "gather, whole rows")

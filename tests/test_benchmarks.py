@@ -72,3 +72,18 @@ def test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl():
             ratio = float(next(line for line in lines if line.startswith(f"{name} / trl ")).split()[-1])
             assert ratio == pytest.approx(rate / float(rows["trl"][0].replace(",", "")), rel=0.01, abs=0.006), out
     assert lines[-1].startswith("best ddptrain layout: ddptrain-") and lines[-1].endswith("(target >= 1.3)"), out
+
+
+def test_attention_benchmark_prints_every_backend_beside_causal_sdpa():
+    out = _run("benchmarks.bench_attention", "--seq-lens", "64,128", "--rows", "1", "--heads", "2", "--head-dim", "8",
+               "--rounds", "1", "--repeats", "1")
+    assert out.startswith("benchmarks.bench_attention: cpu"), out
+    lines = out.splitlines()
+    assert "varlen: n/a here:" in out and "flex: n/a here: FlexAttention has no backward on CPU" in out, out
+    header = lines[lines.index("time, ms (x causal)") + 1].split()
+    assert header[-5:] == ["causal", "mask", "gather", "varlen", "flex"], out
+    rows = [line.split() for line in lines if line.split()[:2] in (["64", "short"], ["64", "long"], ["128", "short"],
+                                                                   ["128", "long"])]
+    assert len(rows) == 8, "4 rows of times, 4 of memory"
+    timed = rows[0]
+    assert timed[-2:] == ["n/a", "n/a"] and timed[-3].endswith("x") and timed[-5].endswith("x"), out

@@ -23,29 +23,34 @@ SMALL_DOCUMENT = 16
 
 
 @dataclass
-class GatherBucket:
-    index: torch.Tensor  # (n, L) int64: each document's positions in the flattened rows (padding: 0)
-    keep: torch.Tensor  # (m,) int64: the real tokens among the n * L gathered positions
-
-
-@dataclass
 class DocumentBoundaries:
     """Where each document of a packed microbatch starts and ends, computed once on the host.
 
     Tensors move with `.to(device)` (and `.pin_memory()`), host ints stay ints. `backend` is the
-    attention backend the model runs them through (set by the model, not by collation)."""
+    attention backend the model runs them through (set by the model, not by collation).
+
+    The gather plan is a permutation with padding: the buffer of all buckets, laid end to end, takes
+    token `gather_index[p]` at position p, and token t lands at `token_position[t]`. Both ways are
+    then gathers (index_select), forward and backward: no scatter-add."""
 
     segments: torch.Tensor  # (B, T) int64: a document id per position (padding: -1, its own document)
     cu_seqlens: torch.Tensor  # (D + 1,) int32: offsets of the D documents in the flattened B * T rows
     max_length: int  # the longest document (host int: no sync to size a kernel)
-    buckets: list[GatherBucket]  # gather: documents of similar length, longest first
-    inverse: torch.Tensor  # (B * T,) int64: where each token lands in the concatenated buckets
+    buckets: list[tuple[int, int]]  # gather: (documents, padded length) of each bucket, longest first
+    gather_index: torch.Tensor  # (P,) int64: the token at each buffer position (padding: 0, any token)
+    gather_padded: torch.Tensor  # (P,) int64: the same, padding -> B * T (a zero row appended)
+    token_position: torch.Tensor  # (B * T,) int64: where each token lands in the buffer
     backend: str | None = None  # None: the model's own (trainer.attention); collation leaves it so
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # per microbatch: masks
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.segments.shape)
+
+    @property
+    def rows_are_documents(self) -> bool:
+        """One document per row: plain causal attention over the rows is per-document attention."""
+        return len(self.cu_seqlens) - 1 == self.segments.size(0) and bool(self.buckets)
 
     @classmethod
     def from_segments(cls, segments: np.ndarray) -> "DocumentBoundaries":
@@ -58,7 +63,7 @@ class DocumentBoundaries:
         starts = np.flatnonzero(change)
         lengths = np.diff(np.r_[starts, flat.size])
         cu_seqlens = np.r_[0, np.cumsum(lengths)].astype(np.int32)
-        buckets, order = [], []
+        buckets, indices = [], []
         size_class = np.ceil(np.log2(np.maximum(lengths, SMALL_DOCUMENT))).astype(np.int64)
         for bucket in np.unique(size_class)[::-1]:
             docs = np.flatnonzero(size_class == bucket)
@@ -66,26 +71,28 @@ class DocumentBoundaries:
             longest = int(lengths[docs[0]])
             offsets = np.arange(longest)
             real = offsets[None, :] < lengths[docs][:, None]  # (n, L)
-            index = np.where(real, starts[docs][:, None] + offsets[None, :], 0)
-            keep = np.flatnonzero(real.ravel())
-            order.append(index.ravel()[keep])
-            buckets.append(GatherBucket(torch.from_numpy(index), torch.from_numpy(keep)))
-        inverse = np.empty(flat.size, dtype=np.int64)
-        inverse[np.concatenate(order)] = np.arange(flat.size)
-        return cls(torch.from_numpy(np.ascontiguousarray(segments, dtype=np.int64)), torch.from_numpy(cu_seqlens),
-                   int(lengths.max()), buckets, torch.from_numpy(inverse))
+            indices.append(np.where(real, starts[docs][:, None] + offsets[None, :], -1).ravel())
+            buckets.append((len(docs), longest))
+        index = np.concatenate(indices)
+        real = index >= 0
+        token_position = np.empty(flat.size, dtype=np.int64)
+        token_position[index[real]] = np.flatnonzero(real)
+        as_tensor = lambda array: torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+        return cls(as_tensor(segments), torch.from_numpy(cu_seqlens), int(lengths.max()), buckets,
+                   as_tensor(np.where(real, index, 0)), as_tensor(np.where(real, index, flat.size)),
+                   as_tensor(token_position))
 
     @classmethod
     def for_mask(cls, segments: torch.Tensor) -> "DocumentBoundaries":
         """Segment ids alone, for callers that pass no boundaries: only the dense `mask` backend
         (the reference) can run them, and it needs nothing else."""
         empty = torch.zeros(0, dtype=torch.int64, device=segments.device)
-        return cls(segments, empty.int(), 0, [], empty, backend="mask")
+        return cls(segments, empty.int(), 0, [], empty, empty, empty, backend="mask")
 
     def _map(self, fn) -> "DocumentBoundaries":
-        buckets = [GatherBucket(fn(b.index), fn(b.keep)) for b in self.buckets]
         return dataclasses.replace(self, segments=fn(self.segments), cu_seqlens=fn(self.cu_seqlens),
-                                   buckets=buckets, inverse=fn(self.inverse), cache={})
+                                   gather_index=fn(self.gather_index), gather_padded=fn(self.gather_padded),
+                                   token_position=fn(self.token_position), cache={})
 
     def to(self, device, non_blocking: bool = False) -> "DocumentBoundaries":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))

@@ -127,6 +127,7 @@ class GPTAdapter(ModelAdapter):
         return GPT(GPTConfig(vocab_size=vocab_size, max_seq_len=seq_len, **fields))
 
     def use_attention(self, model: nn.Module, backend: str, forced: bool) -> str:
+        backend = attention.without_dropout(backend, model.cfg.dropout, forced)
         model.attention_backend = backend  # every backend runs in GPT's attention
         return backend
 
@@ -172,8 +173,9 @@ class HFAdapter(ModelAdapter):
         """ddptrain's attention function where the probe shows that the architecture passes the
         boundaries on to it (ddptrain.models.hf); else the dense mask (refused when forced)."""
         problem = None
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        backend = attention.without_dropout(backend, getattr(base.config, "attention_dropout", 0.0), forced)
         if backend != "mask":
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
             implementation = getattr(base, "ddptrain_attn_implementation", base.config._attn_implementation)
             if implementation != "sdpa":
                 problem = f"model.attn_implementation={implementation} keeps transformers' own attention"

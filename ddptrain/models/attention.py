@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ddptrain.config.choices import ATTENTION_BACKENDS, attention_refusal
 from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.models.spec import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ DESCRIPTIONS = {
 }
 
 
-class AttentionError(ValueError):
+class AttentionError(ModelError):
     """A backend cannot run as asked; the message names the backend and the rule."""
 
 
@@ -67,6 +68,17 @@ def select_backend(requested: str, device_type: str, precision: str) -> str:
     if refusal is not None:
         raise AttentionError(refusal)
     return requested
+
+
+def without_dropout(backend: str, dropout: float, forced: bool) -> str:
+    """`backend`, or gather where it has no attention dropout (varlen, flex) and the model has some;
+    an AttentionError where that backend was forced."""
+    if not dropout or backend not in ("varlen", "flex"):
+        return backend
+    if forced:
+        raise AttentionError(f"trainer.attention={backend} has no attention dropout, and the model's is {dropout}; "
+                             "use trainer.attention=auto, gather or mask, or no attention dropout")
+    return "gather"
 
 
 def describe(backend: str) -> str:
@@ -131,19 +143,54 @@ def dense_mask(segments: torch.Tensor, window: int | None = None) -> torch.Tenso
     return (same & band_mask(segments.size(1), window, segments.device))[:, None]
 
 
+class _Gather(torch.autograd.Function):
+    """rows (N, ...) -> buffer (P, ...), buffer[p] = rows[gather_index[p]]. Backward: every token sits
+    at one buffer position, so its gradient is a gather too (padding positions get exactly zero
+    gradient: no real query attends to them, and their outputs are dropped)."""
+
+    @staticmethod
+    def forward(ctx, rows, gather_index, token_position):
+        ctx.save_for_backward(token_position)
+        return rows.index_select(0, gather_index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_position,) = ctx.saved_tensors
+        return grad.index_select(0, token_position), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """buffer (P, ...) -> rows (N, ...), rows[t] = buffer[token_position[t]]. Backward: the padding
+    positions of the buffer get zero (gather_padded points them at an appended zero row)."""
+
+    @staticmethod
+    def forward(ctx, buffer, token_position, gather_padded):
+        ctx.save_for_backward(gather_padded)
+        return buffer.index_select(0, token_position)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gather_padded,) = ctx.saved_tensors
+        padded = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return padded.index_select(0, gather_padded), None, None
+
+
 def _gather(q, k, v, documents, scale, dropout, window):
+    if documents.rows_are_documents:  # nothing to gather: the rows are the documents
+        return causal(q, k, v, scale, dropout, window)
     batch, heads, seq, dim = q.shape
-    flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]  # (N, H, d)
-    pieces = []
-    for number, bucket in enumerate(documents.buckets):
-        docs, longest = bucket.index.shape
-        qb, kb, vb = (t[bucket.index].transpose(1, 2) for t in flat)  # (n, H, L, d)
+    gathered = [_Gather.apply(t.transpose(1, 2).reshape(batch * seq, t.size(1), dim), documents.gather_index,
+                              documents.token_position) for t in (q, k, v)]  # (P, H, d); the reshape is a view in GPT
+    pieces, at = [], 0
+    for number, (docs, longest) in enumerate(documents.buckets):
+        qb, kb, vb = (t[at:at + docs * longest].view(docs, longest, t.size(1), dim).transpose(1, 2) for t in gathered)
         mask = None
         if window is not None and window < longest:
             mask = documents.cached(("band", number, window, q.device), lambda: band_mask(longest, window, q.device))
-        out = _sdpa(qb, kb, vb, mask, scale, dropout)  # (n, H, L, d)
-        pieces.append(out.transpose(1, 2).reshape(docs * longest, heads, dim)[bucket.keep])
-    return torch.cat(pieces)[documents.inverse].view(batch, seq, heads, dim)
+        pieces.append(_sdpa(qb, kb, vb, mask, scale, dropout).transpose(1, 2).reshape(docs * longest, heads, dim))
+        at += docs * longest
+    buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return _Scatter.apply(buffer, documents.token_position, documents.gather_padded).view(batch, seq, heads, dim)
 
 
 def _varlen(q, k, v, documents, scale, window):

@@ -24,7 +24,7 @@ from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import Objective
 from ddptrain.models.adapters import ModelAdapter, adapter_for
 from ddptrain.models import attention
-from ddptrain.models.spec import ModelError, ModelSpec
+from ddptrain.models.spec import ModelSpec
 from ddptrain.models.compiling import compile_model
 from ddptrain.train.optim import build_optimizer, build_scheduler
 
@@ -102,10 +102,7 @@ def use_packed_attention(cfg, adapter: ModelAdapter, model: nn.Module, device: t
     """trainer.attention for packed rows, resolved for this device and precision, set on the model
     and named at start-up (ddptrain/models/attention.py)."""
     requested = cfg.trainer.attention
-    try:
-        backend = attention.select_backend(requested, device.type, precision)
-    except attention.AttentionError as error:
-        raise ModelError(str(error)) from None
+    backend = attention.select_backend(requested, device.type, precision)  # a ModelError where it is missing
     used = adapter.use_attention(model, backend, forced=requested != "auto")
     chosen = f"trainer.attention={requested}" + (f" on {device.type}, {precision}" if requested == "auto" else "")
     log.info("packed attention: %s [%s]", attention.describe(used), chosen)
