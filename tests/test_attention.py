@@ -396,3 +396,20 @@ def test_gather_of_one_document_per_row_is_causal_attention_over_the_rows():
     reference = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("mask"), window=5), tensors)
     ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("gather"), window=5), tensors)
     assert_close(ours, reference, 1e-9, "gather, whole rows")
+
+
+@pytest.mark.slow
+def test_gather_runs_under_compile_without_recompiling_per_microbatch():
+    """trainer.compile compiles each block; the gather (data-dependent shapes) runs eagerly between
+    graphs, so new document layouts of the same (B, T) reuse the graphs."""
+    from ddptrain.models.compiling import compile_model
+
+    torch._dynamo.reset()
+    model = compile_model(packed_gpt(torch.float32, "gather"))
+    eager = packed_gpt(torch.float32, "gather")
+    microbatches = [packed_microbatch(rows=2, seed=seed) for seed in range(5)]
+    for batch, targets in microbatches[:2]:  # the first graphs (and, at most, one dynamic-shape recompile)
+        gpt_outputs(model, batch, targets)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch, targets in microbatches[2:]:
+            assert_all_close(gpt_outputs(model, batch, targets), gpt_outputs(eager, batch, targets), 1e-4, "compiled")

@@ -143,44 +143,36 @@ def dense_mask(segments: torch.Tensor, window: int | None = None) -> torch.Tenso
     return (same & band_mask(segments.size(1), window, segments.device))[:, None]
 
 
-class _Gather(torch.autograd.Function):
-    """rows (N, ...) -> buffer (P, ...), buffer[p] = rows[gather_index[p]]. Backward: every token sits
-    at one buffer position, so its gradient is a gather too (padding positions get exactly zero
-    gradient: no real query attends to them, and their outputs are dropped)."""
+class _Reindex(torch.autograd.Function):
+    """out = x.index_select(0, index), with a backward that is a gather too: grad.index_select(0, back).
+
+    Gathering rows into the buffer (index: gather_index, back: token_position): every token sits
+    at one buffer position; padding positions get exactly zero gradient (no real query attends to
+    them, their outputs are dropped), so nothing is summed. Scattering the buffer back (index:
+    token_position, back: gather_padded, `zero_row`): the padding positions' gradient is zero, read
+    from a zero row appended to the gradient. Neither way is a scatter-add (index_select's own
+    backward, slow on CPU)."""
 
     @staticmethod
-    def forward(ctx, rows, gather_index, token_position):
-        ctx.save_for_backward(token_position)
-        return rows.index_select(0, gather_index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (token_position,) = ctx.saved_tensors
-        return grad.index_select(0, token_position), None, None
-
-
-class _Scatter(torch.autograd.Function):
-    """buffer (P, ...) -> rows (N, ...), rows[t] = buffer[token_position[t]]. Backward: the padding
-    positions of the buffer get zero (gather_padded points them at an appended zero row)."""
-
-    @staticmethod
-    def forward(ctx, buffer, token_position, gather_padded):
-        ctx.save_for_backward(gather_padded)
-        return buffer.index_select(0, token_position)
+    def forward(ctx, x, index, back, zero_row: bool):
+        ctx.save_for_backward(back)
+        ctx.zero_row = zero_row
+        return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):
-        (gather_padded,) = ctx.saved_tensors
-        padded = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
-        return padded.index_select(0, gather_padded), None, None
+        (back,) = ctx.saved_tensors
+        if ctx.zero_row:
+            grad = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return grad.index_select(0, back), None, None, None
 
 
 def _gather(q, k, v, documents, scale, dropout, window):
     if documents.rows_are_documents:  # nothing to gather: the rows are the documents
         return causal(q, k, v, scale, dropout, window)
     batch, heads, seq, dim = q.shape
-    gathered = [_Gather.apply(t.transpose(1, 2).reshape(batch * seq, t.size(1), dim), documents.gather_index,
-                              documents.token_position) for t in (q, k, v)]  # (P, H, d); the reshape is a view in GPT
+    gathered = [_Reindex.apply(t.transpose(1, 2).reshape(batch * seq, t.size(1), dim), documents.gather_index,
+                               documents.token_position, False) for t in (q, k, v)]  # (P, H, d); the reshape is a view in GPT
     pieces, at = [], 0
     for number, (docs, longest) in enumerate(documents.buckets):
         qb, kb, vb = (t[at:at + docs * longest].view(docs, longest, t.size(1), dim).transpose(1, 2) for t in gathered)
@@ -190,7 +182,8 @@ def _gather(q, k, v, documents, scale, dropout, window):
         pieces.append(_sdpa(qb, kb, vb, mask, scale, dropout).transpose(1, 2).reshape(docs * longest, heads, dim))
         at += docs * longest
     buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    return _Scatter.apply(buffer, documents.token_position, documents.gather_padded).view(batch, seq, heads, dim)
+    rows = _Reindex.apply(buffer, documents.token_position, documents.gather_padded, True)
+    return rows.view(batch, seq, heads, dim)
 
 
 def _varlen(q, k, v, documents, scale, window):
