@@ -413,3 +413,15 @@ def test_gather_runs_under_compile_without_recompiling_per_microbatch():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for batch, targets in microbatches[2:]:
             assert_all_close(gpt_outputs(model, batch, targets), gpt_outputs(eager, batch, targets), 1e-4, "compiled")
+
+
+def test_a_filler_cut_of_the_boundaries_is_one_document_per_token():
+    """The Engine's fillers (ranks with fewer microbatches, zero2/zero3/fsdp) cut every input to [:1, :1]."""
+    batch, _ = packed_microbatch()
+    one = batch["documents"][:1, :1]
+    assert one.rows_are_documents and one.max_length == 1 and one.cu_seqlens.tolist() == [0, 1]
+    model = packed_gpt(torch.float64, "gather")
+    cut = {key: value[:1, :1] for key, value in batch.items()}
+    assert torch.allclose(model(**cut), model(batch["idx"][:1, :1]), atol=1e-12)
+    with pytest.raises(TypeError, match=r"can be cut to one token per row \(\[rows, :1\]\)"):
+        batch["documents"][:, :2]

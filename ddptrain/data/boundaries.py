@@ -89,6 +89,19 @@ class DocumentBoundaries:
         empty = torch.zeros(0, dtype=torch.int64, device=segments.device)
         return cls(segments, empty.int(), 0, [], empty, empty, empty, backend="mask")
 
+    def __getitem__(self, key) -> "DocumentBoundaries":
+        """`[rows, :1]`: the boundaries of one token per row, each its own document (exact, and
+        known without reading the data back). The Engine's filler microbatches slice every input
+        so (`value[:1, :1]`); other slices would need the host's segments again."""
+        segments = self.segments[key]
+        if segments.dim() != 2 or segments.size(1) != 1:
+            raise TypeError(f"DocumentBoundaries can be cut to one token per row ([rows, :1]), not {key!r}: "
+                            "collate the rows again instead")
+        count, device = segments.size(0), segments.device
+        tokens = torch.arange(count, device=device)  # token t is document t, at buffer position t
+        cu_seqlens = torch.arange(count + 1, dtype=torch.int32, device=device)
+        return DocumentBoundaries(segments, cu_seqlens, 1, [(count, 1)], tokens, tokens, tokens, backend=self.backend)
+
     def _map(self, fn) -> "DocumentBoundaries":
         return dataclasses.replace(self, segments=fn(self.segments), cu_seqlens=fn(self.cu_seqlens),
                                    gather_index=fn(self.gather_index), gather_padded=fn(self.gather_padded),
