@@ -234,6 +234,13 @@ def test_llama_through_model_hf_gather_equals_the_dense_mask_in_fp64(tmp_path):
     assert model.config._attn_implementation == hf.PACKED_ATTENTION
     assert_all_close(hf_outputs(model, batch, targets), reference, 1e-9, "llama gather")
     assert "attn_implementation" not in str(model.config.to_dict()), "final/'s config.json names no ddptrain attention"
+    # Unpacked rows, a padding mask included, are exactly attn_implementation=sdpa's.
+    sdpa = hf_model(tmp_path)
+    ids, padding = batch["idx"][:2], torch.ones_like(batch["idx"][:2])
+    padding[0, :7] = 0
+    with torch.no_grad():
+        for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": padding}):
+            assert torch.equal(model(**kwargs).logits, sdpa(**kwargs).logits), kwargs.keys()
 
 
 def test_a_sliding_window_model_computes_each_document_as_if_alone(tmp_path):

@@ -4,16 +4,18 @@ transformers is an optional extra (`pip install 'ddptrain[hf]'`) imported only h
 ever downloaded: the directory must hold config.json (and weights to fine-tune from; without them
 the model is initialised from the config with run.seed).
 
-Packed rows reach the model through transformers' own extension point: an attention function
-registered with `AttentionInterface` under PACKED_ATTENTION receives the rows' document boundaries
-as a keyword argument (`documents`, passed down by the model's forward like `cu_seq_lens_q` is for
+Packed rows reach the model through transformers' own extension points: an attention function
+registered with `AttentionInterface` under PACKED_ATTENTION (its mask function, registered with
+`AttentionMaskInterface`, is transformers' sdpa_mask) receives the rows' document boundaries as a
+keyword argument (`documents`, passed down by the model's forward like `cu_seq_lens_q` is for
 DataCollatorWithFlattening) and runs them through ddptrain's backend (ddptrain/models/attention.py).
-No mask function is registered for that name on purpose: transformers then builds no mask at all
-(its "custom attention without mask creation" path), whereas a registered one makes it search the
-position ids for packed sequences, with a host sync (`(...).all()`), and build a dense mask.
-Forwards without boundaries (unpacked rows, the probe's documents alone) run causal SDPA, as
-attn_implementation=sdpa does. model.attn_implementation=eager, and architectures whose attention
-cannot take the boundaries (the probe tells), keep the dense 4D mask (backend `mask`).
+Beside the boundaries goes a stand-in 4D mask, a broadcast view of one element (no T x T memory):
+transformers returns a 4D mask as given, so it builds no mask and does not search the position ids
+for packed sequences (which reads a flag back from the device and builds a dense mask).
+Forwards without boundaries (unpacked rows, with or without a padding mask) are exactly
+attn_implementation=sdpa's. model.attn_implementation=eager, and architectures whose attention
+cannot take the boundaries (the probe tells: the stand-in alone would attend across documents),
+keep the dense 4D mask (backend `mask`).
 """
 
 from __future__ import annotations
@@ -139,7 +141,10 @@ def use_packed_attention(model: nn.Module, backend: str) -> None:
 
 def _register_packed_attention() -> None:
     transformers = _transformers()
+    from transformers.masking_utils import sdpa_mask
+
     transformers.AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    transformers.AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
 
 
 def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -147,14 +152,17 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              documents: DocumentBoundaries | None = None, sliding_window: int | None = None,
                              **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: q (B, H, T, d), k and v (B, Hkv, T, d) -> ((B, T, H, d), None).
-    With `documents`, attention stays inside each document; without, plain causal (as sdpa)."""
-    unsupported = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
-    if unsupported or attention_mask is not None or not getattr(module, "is_causal", True):
-        what = (f"{', '.join(unsupported)}" if unsupported else
-                "a 4D attention mask" if attention_mask is not None else "non-causal attention")
-        raise attention.AttentionError(f"ddptrain's packed attention does not implement {what}")
+    With `documents`, attention stays inside each document (the mask is the stand-in); without,
+    transformers' own sdpa attention with the mask it built."""
     if documents is None:
-        return attention.causal(query, key, value, scaling, dropout, sliding_window), None
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    unsupported = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported or not getattr(module, "is_causal", True):
+        what = ", ".join(unsupported) if unsupported else "non-causal attention"
+        raise attention.AttentionError(f"ddptrain's packed attention does not implement {what}")
     return attention.attend(query, key, value, documents, scaling, dropout, sliding_window), None
 
 
@@ -199,6 +207,10 @@ def _packed_rows_to_hf(module: nn.Module, args: tuple, kwargs: dict):
         kwargs["attention_mask"] = document_mask(segments, next(module.parameters()).dtype, _sliding_window(module))
     else:
         kwargs["documents"] = documents if documents.backend is not None else documents.using(backend)
+        # A 4D mask is used as given: transformers builds none. A broadcast view, no T x T memory.
+        batch, seq = segments.shape
+        kwargs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=segments.device).expand(
+            batch, 1, seq, seq)
     kwargs["position_ids"] = kwargs.pop("positions")
     return (), {"input_ids": input_ids, **kwargs}
 
