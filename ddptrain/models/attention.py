@@ -1,32 +1,36 @@
 """Attention for packed rows: each document attends to itself alone, from its boundaries.
 
 Collation (ddptrain/data/packing.py) turns a microbatch's segment ids into `DocumentBoundaries`
-(ddptrain/data/boundaries.py) once, on the host: cu_seqlens-style offsets of every document in the flattened (B * T) rows, the
-longest document's length as a host int (so no kernel launch ever waits on `.item()`), and the
-gather plan below. Nothing here builds a T x T tensor unless the `mask` backend is asked for.
-Every run of equal segment ids in a row is a document, the row's padding included: padding then
-attends only to padding, as it does under the dense mask, so every backend computes the same
+(ddptrain/data/boundaries.py) once, on the host: cu_seqlens-style offsets of every document in the
+flattened (B * T) rows, the longest document's length as a host int (so no kernel launch waits on
+`.item()`), and the gather plan. Nothing here builds a T x T tensor unless the `mask` backend is
+asked for. Every run of equal segment ids in a row is a document, the row's padding included:
+padding then attends only to padding, as under the dense mask, so every backend computes the same
 numbers at every position.
 
 Backends (`trainer.attention`, picked at start-up by `select_backend`):
 
 - gather (any device): the documents are gathered into padded batches sorted by length and run
-  through plain causal SDPA, no mask (so flash or efficient kernels on CUDA), then scattered back.
-  Documents are bucketed by length (each bucket padded to its longest, at most twice its shortest,
-  all documents up to 16 tokens together), so the gather buffer holds at most about 2 x B x T
-  positions and one SDPA call runs per bucket (at most log2(T) of them). A causal row padded at
-  its end never lets a real token see the padding, so no mask is needed.
+  through plain causal SDPA, no mask (so flash or efficient kernels on CUDA), then put back. The
+  buckets (each padded to its longest document, at most twice its shortest; documents of up to 16
+  tokens together) bound the buffer (ddptrain/data/boundaries.py) and make one SDPA call each. A
+  document padded at its end never lets a real token see the padding (causal), so no mask is
+  needed. The gather is one permutation with padding, and so is its backward: index_select both
+  ways, never index_select's scatter-add backward (slow on CPU). Rows that are whole documents go
+  straight to causal SDPA.
 - varlen (CUDA, bf16/fp16): torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`)
-  over the flattened rows with cu_seqlens.
-- flex (CUDA): FlexAttention with a document block mask (segments equal and causal), the block
-  mask built once per microbatch; as torchtitan does.
+  over the flattened rows with cu_seqlens and the host's max length.
+- flex (CUDA): FlexAttention, compiled, with a document block mask (same segment, causal), as
+  torchtitan does.
 - mask: the dense (B, 1, T, T) boolean mask with SDPA: the reference, and the fallback where the
   others do not apply (with a warning).
 
 Whatever a backend derives from the boundaries (a sliding-window band, the block mask, the dense
 mask) is built once per microbatch and cached on the boundaries object, never per layer.
 Sliding windows (`window`: a query sees the `window` latest keys, itself included, transformers'
-convention) and grouped-query attention (fewer key/value heads) work on every backend.
+convention) and grouped-query attention (fewer key/value heads) work on every backend. `attend`
+runs outside torch.compile's graphs (its shapes depend on the data), so a compiled block does not
+recompile for each new document layout.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def warn_dense_fallback(reason: str) -> None:
 # -- the backends: q, k, v (B, H, T, d) -> (B, T, H, d) ---------------------------------------------------
 
 
-@torch.compiler.disable  # data-dependent gathers of ragged size: eager, so a compiled block never recompiles
+@torch.compiler.disable  # ragged, data-dependent shapes: eager, between a compiled block's graphs
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentBoundaries,
            scale: float | None = None, dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
     """Attention of every query to the earlier keys of its own document (the `window` latest
@@ -116,10 +120,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documen
     raise AttentionError(f"unknown attention backend {backend!r} (one of {', '.join(DESCRIPTIONS)})")
 
 
-def causal(q, k, v, scale: float | None = None, dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
+def causal(q, k, v, scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Plain causal attention over whole rows (unpacked), (B, H, T, d) -> (B, T, H, d)."""
-    mask = None if window is None else band_mask(q.size(2), window, q.device)
-    return _sdpa(q, k, v, mask, scale, dropout).transpose(1, 2)
+    return _sdpa(q, k, v, None, scale, dropout).transpose(1, 2)
 
 
 def _sdpa(q, k, v, mask, scale, dropout):
@@ -168,9 +171,12 @@ class _Reindex(torch.autograd.Function):
 
 
 def _gather(q, k, v, documents, scale, dropout, window):
-    if documents.rows_are_documents:  # nothing to gather: the rows are the documents
-        return causal(q, k, v, scale, dropout, window)
     batch, heads, seq, dim = q.shape
+    if documents.rows_are_documents:  # nothing to gather: the rows are the documents
+        band = None
+        if window is not None and window < seq:
+            band = documents.cached(("band", "rows", window, q.device), lambda: band_mask(seq, window, q.device))
+        return _sdpa(q, k, v, band, scale, dropout).transpose(1, 2)
     gathered = [_Reindex.apply(t.transpose(1, 2).reshape(batch * seq, t.size(1), dim), documents.gather_index,
                                documents.token_position, False) for t in (q, k, v)]  # (P, H, d); the reshape is a view in GPT
     pieces, at = [], 0
@@ -205,9 +211,9 @@ def _flex(q, k, v, documents, scale, window):
     global _compiled_flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if _compiled_flex is None:
+    if q.is_cuda and _compiled_flex is None:
         # Uncompiled, flex attention materialises the scores; compiled once, its kernel is fused.
-        _compiled_flex = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
     segments = documents.segments
     batch, _, seq, _ = q.shape
 
@@ -215,7 +221,9 @@ def _flex(q, k, v, documents, scale, window):
         allowed = (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
         return allowed if window is None else allowed & (q_idx - kv_idx < window)
 
+    # _compile: evaluate the mask block by block (torchtitan does so), never as a B x T x T grid.
     block_mask = documents.cached(("flex", window, q.device), lambda: create_block_mask(
-        document_causal, batch, None, seq, seq, device=q.device))
-    out = _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
+        document_causal, batch, None, seq, seq, device=q.device, _compile=q.is_cuda))
+    run = _compiled_flex if q.is_cuda else flex_attention  # CPU: forward only (no backward in torch 2.13)
+    out = run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
     return out.transpose(1, 2)
