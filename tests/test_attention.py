@@ -173,6 +173,9 @@ def test_gpt_gather_equals_the_dense_mask_in_fp64_forward_and_gradients():
     batch, targets = packed_microbatch()
     reference = gpt_outputs(packed_gpt(torch.float64, "mask"), batch, targets)
     assert_all_close(gpt_outputs(packed_gpt(torch.float64, "gather"), batch, targets), reference, 1e-9, "gather")
+    checkpointed = packed_gpt(torch.float64, "gather")
+    checkpointed.activation_checkpointing = True  # the boundaries pass through non-reentrant checkpointing
+    assert_all_close(gpt_outputs(checkpointed, batch, targets), reference, 1e-9, "gather, activation checkpointing")
     only_segments = {key: value for key, value in batch.items() if key != "documents"}  # the old contract
     assert_all_close(gpt_outputs(packed_gpt(torch.float64, "gather"), only_segments, targets), reference, 1e-9,
                      "segments alone (dense reference)")
