@@ -178,17 +178,6 @@ def test_fsdp_resumes_bitwise_and_reshards_from_two_ranks_to_one(tmp_path):
     assert relative_difference(ddptrain.load_model(smaller).state_dict(), reference.state_dict()) < 1e-9
 
 
-@pytest.mark.slow
-@requires_deepspeed
-def test_a_zero_checkpoint_on_another_world_size_is_a_clear_error(tmp_path):
-    args = [*TINY_RUN, "strategy=zero2", "batch.global_size=8", "batch.seq_len=64", "batch.micro_size=2",
-            f"run.dir={tmp_path}"]
-    assert run_cli([*args, "trainer.max_steps=2"], nproc=2).returncode == 0
-    result = run_cli([*args, "trainer.max_steps=3", "batch.micro_size=4"], nproc=1)
-    assert result.returncode != 0
-    assert "a zero2 checkpoint written on 2 ranks cannot be resumed on 1" in result.stderr, result.stderr[-3000:]
-
-
 def _save_with_a_nan_on_rank_one(strategy: str, directory: str):
     """One step, then a NaN in rank 1's own part of one weight (its shard, where sharded), then a save."""
     import os

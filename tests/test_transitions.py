@@ -102,3 +102,14 @@ def test_a_checkpoint_from_before_the_neutral_layout_names_its_strategy_when_ano
     assert "written by strategy=ddp before checkpoints were strategy-neutral" in result.stderr, result.stderr[-3000:]
     assert "resume it once with strategy=ddp" in result.stderr
     assert (run_dir / "checkpoints" / "step_00000004" / "COMPLETE.json").is_file(), "nothing saved is lost"
+
+
+def test_a_zero_checkpoint_from_before_the_neutral_layout_names_its_world_size_on_another(tmp_path):
+    import_deepspeed()
+    run_dir = _legacy_run(tmp_path, "zero2")
+    result = run_cli([*RUN, f"run.dir={run_dir}", "trainer.max_steps=6", "strategy=zero2", "checkpoint.every=4",
+                      "batch.micro_size=4"], nproc=1)
+    assert result.returncode != 0
+    assert ("a zero2 checkpoint written on 2 ranks before checkpoints were strategy-neutral cannot be resumed on 1"
+            in result.stderr), result.stderr[-3000:]
+    assert "resume it once on 2 ranks" in result.stderr
