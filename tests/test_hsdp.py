@@ -1,0 +1,75 @@
+"""HSDP: FSDP2 on a 2-D mesh (replicas x shards), against one process that saw every microbatch;
+its mesh checks; its checkpoints resharded to other meshes and strategies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ddptrain
+from ddptrain.config.schema import ConfigError
+from ddptrain.distributed import replicate_degree
+from ddptrain.testing import record_collectives, run_distributed
+from tests.helpers import TINY_RUN, microbatch, read_metrics, relative_difference, run_cli, tiny_gpt
+from tests.test_engine import reference_step, update
+
+FOUR_RANKS = {  # ragged rows, an all-ignored microbatch, and rank 3 with one microbatch fewer
+    0: [(2, [12, 3], 1), (1, [0], 2), (3, [5, 12, 1], 3)],
+    1: [(2, [7, 2], 4), (2, [12, 12], 5), (1, [6], 6)],
+    2: [(1, [11], 7), (2, [4, 9], 8), (2, [1, 2], 9)],
+    3: [(3, [2, 12, 8], 10), (1, [10], 11)],
+}
+
+
+def _microbatches(rank: int):
+    return [microbatch(rows, lengths, seed) for rows, lengths, seed in FOUR_RANKS[rank]]
+
+
+def _hsdp_step(replicate):
+    model = tiny_gpt(torch.float64)
+    engine = ddptrain.Engine(model, torch.optim.SGD(model.parameters(), lr=1.0), "fsdp", precision="fp64",
+                             strategy_options={"replicate": replicate})
+    with record_collectives() as calls:
+        stats = engine.step(_microbatches(ddptrain.get_rank()))
+    mesh = engine.strategy.mesh
+    return stats, engine.model_state_dict(), tuple(mesh.shape), mesh.mesh_dim_names, calls
+
+
+@pytest.mark.parametrize("replicate", [2, pytest.param("auto", marks=pytest.mark.slow)])
+def test_hsdp_on_a_two_by_two_mesh_equals_one_process_in_fp64(replicate):
+    # "auto" on 4 ranks of 2 "nodes" (LOCAL_WORLD_SIZE 2): a 2x2 mesh again
+    env = {"GROUP_WORLD_SIZE": "2"} if replicate == "auto" else None
+    results = run_distributed(_hsdp_step, 4, replicate, env=env)
+    ref_loss, ref_tokens, before, ref_params = reference_step([mb for r in range(4) for mb in _microbatches(r)])
+    for rank, (stats, params, shape, names, calls) in enumerate(results):
+        assert shape == (2, 2) and names == ("replicate", "shard"), (shape, names)
+        assert stats.tokens == ref_tokens
+        assert math.isclose(stats.loss, ref_loss, rel_tol=1e-9), (rank, stats.loss, ref_loss)
+        assert relative_difference(params, ref_params) < 1e-9, rank
+        assert relative_difference(update(params, before), update(ref_params, before)) < 1e-7, rank
+        assert stats.filler_microbatches == 1  # rank 3 ran one (the count is global)
+        # Gradients: reduce-scattered over the 2 shards, then all-reduced over the 2 replicas, both
+        # SUMs (an average would halve the update, which the comparison above would catch too),
+        # once per step: only the last microbatch's backward reduces.
+        reductions = [(c["name"], c["group_size"], c["op"]) for c in calls
+                      if c["name"].startswith("reduce_scatter") or (c["name"] == "all_reduce" and c["group_size"] == 2)]
+        assert reductions and all(op == "SUM" for _, _, op in reductions), reductions
+        assert {name for name, _, _ in reductions} == {"reduce_scatter_single", "all_reduce"}, reductions
+        # FSDP's all-gathers stay inside a replica (2 ranks: one node)
+        gathers = {c["group_size"] for c in calls if c["name"].startswith("all_gather")}
+        assert gathers == {2}, gathers
+
+
+def test_a_mesh_that_does_not_tile_the_world_is_a_config_error():
+    with pytest.raises(ValueError, match="strategy.replicate=3 .* world size 4"):
+        replicate_degree(3, 4)
+    assert replicate_degree(2, 4) == 2 and replicate_degree(1, 3) == 1
+    from ddptrain.config import compose_config, validate
+
+    cfg = compose_config(["strategy=fsdp", "strategy.replicate=3", "batch.global_size=12", "batch.micro_size=1"])
+    with pytest.raises(ConfigError, match=r"strategy.replicate=3 \(3 replicas\) must be a positive divisor of the "
+                                          r"world size 4"):
+        validate(cfg, 4)
+    validate(cfg, 6)
