@@ -12,8 +12,9 @@ import ddptrain
 from ddptrain.config.schema import ConfigError
 from ddptrain.distributed import replicate_degree
 from ddptrain.testing import record_collectives, run_distributed
-from tests.helpers import TINY_RUN, microbatch, read_metrics, relative_difference, run_cli, tiny_gpt
+from tests.helpers import microbatch, read_metrics, relative_difference, run_cli, tiny_gpt
 from tests.test_engine import reference_step, update
+from tests.test_strategies import BASE, _curve, _ragged_corpus, _same
 
 FOUR_RANKS = {  # ragged rows, an all-ignored microbatch, and rank 3 with one microbatch fewer
     0: [(2, [12, 3], 1), (1, [0], 2), (3, [5, 12, 1], 3)],
@@ -73,3 +74,34 @@ def test_a_mesh_that_does_not_tile_the_world_is_a_config_error():
                                           r"world size 4"):
         validate(cfg, 4)
     validate(cfg, 6)
+
+
+# -- through the CLI ------------------------------------------------------------------------------
+
+FP64 = ["trainer.precision=fp64", "optim.decay_steps=6"]
+HSDP = ["strategy=fsdp", "strategy.replicate=2"]
+
+
+@pytest.mark.slow
+def test_hsdp_layouts_and_an_hsdp_checkpoint_resumed_on_fewer_ranks_and_ddp_give_one_loss_curve(tmp_path):
+    """1 rank x micro 8 (the straight run), fsdp 4 x 1, and a run that changes layout at each restart:
+    HSDP 2x2 x micro 1 for steps 1-2, fsdp on 2 ranks (replicate=auto: one node, so 1x2) for
+    steps 3-4, ddp on 1 rank for steps 5-6. The same losses (fp64, 1e-9)."""
+    straight = _curve(tmp_path, "ddp", 1, [*FP64, "batch.micro_size=8"])
+    fsdp = _curve(tmp_path, "fsdp4", 4, [*FP64, "strategy=fsdp", "batch.micro_size=1"])
+    moved = tmp_path / "moved"
+    for ranks, args in ((4, [*HSDP, "batch.micro_size=1", "trainer.max_steps=2"]),
+                        (2, ["strategy=fsdp", "strategy.replicate=auto", "batch.micro_size=1", "trainer.max_steps=4"]),
+                        (1, ["strategy=ddp", "batch.micro_size=8"])):
+        result = run_cli([*BASE, *_ragged_corpus(tmp_path), *FP64, *args, f"run.dir={moved}"], nproc=ranks)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ranks == 4 or "resumed from" in result.stderr, result.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(moved)] == [m["step"] for m in straight]
+    _same({"ddp 1x8": straight, "fsdp 4x1": fsdp, "hsdp 2x2 -> fsdp 1x2 -> ddp 1": read_metrics(moved)}, 1e-9)
+
+
+@pytest.mark.slow
+def test_hsdp_on_packed_rows_equals_one_rank(tmp_path):
+    packed = ["batch.pack=true", "batch.micro_size=1"]
+    _same({"ddp pack 1x8": _curve(tmp_path, "ddp", 1, [*FP64, "batch.pack=true", "batch.micro_size=8"]),
+           "hsdp pack 2x2 x 1": _curve(tmp_path, "hsdp", 4, [*FP64, *HSDP, *packed])}, 1e-9)
