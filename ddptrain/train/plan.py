@@ -116,6 +116,8 @@ class ModelCounts:
     root: int
     """Parameters outside the blocks (embeddings, head, final norm): FSDP's root unit."""
     activations: Figure
+    activation_note: str = ""
+    """Why the activations are computed, where the meta run could not measure them."""
 
 
 @dataclass
@@ -147,13 +149,16 @@ def count_model(model: nn.Module, blocks: set[str], micro_batch_size: int, seq_l
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in blocks]
     largest = max(units, default=parameters)
+    note = ""
     try:
         activations = Figure(saved_activation_bytes(model, micro_batch_size, seq_len, precision, vocab_size),
                              "measured")
-    except Exception:  # an op without a meta kernel: the formula
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+        # an op without a meta kernel, or a data-dependent check (transformers' masks call .item()): the formula
         activations = Figure(formula_activation_bytes(model, micro_batch_size, seq_len, precision, vocab_size),
                              "computed")
-    return ModelCounts(parameters, trainable, largest, parameters - sum(units), activations)
+        note = f"activations from the formula: the meta forward failed ({str(error).splitlines()[0][:120]})"
+    return ModelCounts(parameters, trainable, largest, parameters - sum(units), activations, note)
 
 
 def saved_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int, precision: str,
@@ -251,12 +256,15 @@ def _plan(name: str, counts: ModelCounts, layout: Layout) -> StrategyPlan:
     grads = trained if accumulation > 1 else trained / shards
     if accumulation > 1:
         notes.append(f"{label}: gradients stay unsharded while {accumulation} microbatches accumulate (no sync)")
-    gathered = min(2 * counts.largest_unit, counts.parameters) * b * (1 - 1 / shards)  # one unit + the prefetched
-    backward_gather = (counts.parameters - counts.root) * b if layout.reshard_after_forward else 0
-    comms = [Collective("parameter all-gather, forward (every microbatch)", "all_gather", all_params, accumulation,
-                        shards, gathered_level)]
+    gather_b = 2 if layout.precision == "bf16" else b  # MixedPrecisionPolicy(param_dtype=bf16) gathers bf16
+    gathered = min(2 * counts.largest_unit, counts.parameters) * gather_b  # one unit + the prefetched
+    # fully_shard(model, reshard_after_forward=True) reshards the root unit too (counted on gloo ranks:
+    # the backward gathers every parameter again)
+    backward_gather = counts.parameters * gather_b if layout.reshard_after_forward else 0
+    comms = [Collective("parameter all-gather, forward (every microbatch)", "all_gather",
+                        counts.parameters * gather_b, accumulation, shards, gathered_level)]
     if backward_gather:
-        comms.append(Collective("parameter all-gather, backward (every microbatch; the root unit stays gathered)",
+        comms.append(Collective("parameter all-gather, backward (every microbatch)",
                                 "all_gather", backward_gather, accumulation, shards, gathered_level))
     comms.append(Collective("gradient reduce-scatter", "reduce_scatter", trained, 1, shards, gathered_level))
     if name == "hsdp" and layout.replicate > 1:
@@ -313,6 +321,8 @@ def format_plan(plans: list[StrategyPlan], counts: ModelCounts, layout: Layout, 
                          f"factor {c.ring_factor:.3f} -> {_size(c.wire).strip()}")
     for p in plans:
         lines.extend(f"  note: {note}" for note in p.notes)
+    if counts.activation_note:
+        lines.append(f"  note: {counts.activation_note}")
     if device_memory is not None or bandwidth:
         lines.append(f"pick: {chosen.label}" if chosen else "pick: none fits; try activation checkpointing, "
                      "a smaller batch.micro_size, or more ranks")
