@@ -294,8 +294,9 @@ def _size(value: float) -> str:
 
 
 def format_plan(plans: list[StrategyPlan], counts: ModelCounts, layout: Layout, device_memory: float | None,
-                bandwidth: float | None = None, inter_bandwidth: float | None = None) -> str:
-    """The plan as the table `python -m ddptrain.plan` prints (and the start-up summary logs)."""
+                bandwidth: float | None = None, inter_bandwidth: float | None = None, details: bool = True) -> str:
+    """The plan as the table `python -m ddptrain.plan` prints; without `details` (the start-up
+    summary), one wire line per strategy and no per-collective lines or notes."""
     chosen = pick(plans, device_memory, bandwidth, inter_bandwidth)
     lines = [f"memory plan: {counts.parameters:,} parameters ({counts.trainable:,} train), {layout.precision}, "
              f"{layout.optimizer}, world {layout.world_size} = {layout.nodes} node(s) x {layout.ranks_per_node}, "
@@ -316,10 +317,10 @@ def format_plan(plans: list[StrategyPlan], counts: ModelCounts, layout: Layout, 
         time = p.seconds(bandwidth, inter_bandwidth)
         lines.append(f"  {p.label}: wire {_size(p.wire()).strip()} (intra-node {_size(p.wire('intra')).strip()}, "
                      f"inter-node {_size(p.wire('inter')).strip()})" + (f", {time * 1e3:.1f} ms" if time else ""))
-        for c in p.collectives:
+        for c in p.collectives if details else ():
             lines.append(f"    {c.what}: payload {_size(c.payload).strip()} x {c.calls}, {c.ranks} ranks {c.level}, "
                          f"factor {c.ring_factor:.3f} -> {_size(c.wire).strip()}")
-    for p in plans:
+    for p in plans if details else ():
         lines.extend(f"  note: {note}" for note in p.notes)
     if counts.activation_note:
         lines.append(f"  note: {counts.activation_note}")
