@@ -167,12 +167,10 @@ def saved_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int
     backward (which must run: a saved tensor it cannot use would show as an error here)."""
     dtype = {"fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     run = model if next(model.parameters()).dtype == dtype else model.to(dtype)  # meta: no copy of any data
-    params = {id(p) for p in run.parameters()}
     saved = [0]
 
-    def pack(tensor: torch.Tensor):
-        base = tensor._base if tensor._base is not None else tensor
-        if id(tensor) not in params and id(base) not in params:
+    def pack(tensor: torch.Tensor):  # weights saved by reference (or as a view: W.t()) are not activations
+        if not isinstance(tensor if tensor._base is None else tensor._base, nn.Parameter):
             saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
