@@ -154,15 +154,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd}: {results[0][0]['parameters']:,} parameters (fp32), "
           f"AdamW, {args.world_size} ranks, micro {MICRO_BATCH_SIZE} x seq {args.seq_len}; MiB held per rank, "
           "measured | plan (python -m ddptrain.plan)")
-    print(f"{'strategy':11} {'rank':>4} {'weights':>9} {'plan':>9} {'grads':>9} {'plan':>9} {'opt state':>9} "
-          f"{'plan':>9} {'act':>9} {'plan':>9}")
+    print(f"{'strategy':11} {'rank':>4} {'weights':>9} {'vs ddp':>7} {'plan':>9} {'grads':>9} {'vs ddp':>7} "
+          f"{'plan':>9} {'opt state':>10} {'vs ddp':>7} {'plan':>9} {'act':>9} {'plan':>9}")
+    ddp = {rank: rows_of_rank[0] for rank, rows_of_rank in enumerate(results)} if strategies[0] == "ddp" else None
+
+    def ratio(row, rank, key):
+        if not ddp or row[key] is None or not ddp[rank][key]:
+            return "      -"
+        return f"{row[key] / ddp[rank][key]:7.2f}"
+
     for rank, rows_of_rank in enumerate(results):
         for row in rows_of_rank:
             plan = plans[row["strategy"]]
             grads = _mib(row["gradients"]) if row["gradients"] is not None else "      n/a"
-            print(f"{row['strategy']:11} {rank:>4} {_mib(row['weights'])} {_mib(plan.weights.bytes)} {grads} "
-                  f"{_mib(plan.gradients.bytes)} {_mib(row['optimizer_state'])} {_mib(plan.optimizer_state.bytes)} "
-                  f"{_mib(row['activations'])} {_mib(plan.activations.bytes)}")
+            print(f"{row['strategy']:11} {rank:>4} {_mib(row['weights'])} {ratio(row, rank, 'weights')} "
+                  f"{_mib(plan.weights.bytes)} {grads} {ratio(row, rank, 'gradients')} {_mib(plan.gradients.bytes)} "
+                  f"{_mib(row['optimizer_state']):>10} {ratio(row, rank, 'optimizer_state')} "
+                  f"{_mib(plan.optimizer_state.bytes)} {_mib(row['activations'])} {_mib(plan.activations.bytes)}")
     print("n/a: DeepSpeed keeps gradient partitions in its internal buffers, not in .grad; hsdp: fsdp with "
           f"strategy.replicate=2 ({2} x {args.world_size // 2})")
     lora = next((row for row in results[0] if row["strategy"].endswith(LORA_SUFFIX)), None)
