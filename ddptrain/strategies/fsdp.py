@@ -28,6 +28,7 @@ leave them out (DCP's `ignore_frozen_params`): the adapter and its optimizer sta
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import ContextManager
 
 import torch
@@ -40,6 +41,8 @@ from ddptrain.config.choices import FSDPOptions
 from ddptrain.distributed import backend_for, device_mesh, get_world_size, is_distributed, replicate_degree
 from ddptrain.models.blocks import block_class_names
 from ddptrain.strategies.base import StepLayout, Strategy
+
+log = logging.getLogger(__name__)
 
 
 def default_shard_modules(model: nn.Module) -> set[str]:
@@ -71,7 +74,11 @@ class FSDPStrategy(Strategy):
             raise ValueError("strategy 'fsdp' needs a torch optimizer; got optimizer=None")
         if not is_distributed():  # a world of one still gets a process group: fully_shard needs a mesh
             dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
-        mesh = device_mesh(device.type, replicate_degree(self.replicate, get_world_size()))
+        replicas = replicate_degree(self.replicate, get_world_size())
+        mesh = device_mesh(device.type, replicas)
+        if replicas > 1:
+            log.info("fsdp: HSDP mesh of %d replicas x %d shards (sharded within a replica, replicated across)",
+                     replicas, get_world_size() // replicas)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.precision == "bf16" else MixedPrecisionPolicy()
         names = set(self.shard_modules) or default_shard_modules(model)
