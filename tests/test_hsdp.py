@@ -38,14 +38,16 @@ def _hsdp_step(replicate):
     return stats, engine.model_state_dict(), tuple(mesh.shape), mesh.mesh_dim_names, calls
 
 
-@pytest.mark.parametrize("replicate", [2, pytest.param("auto", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("replicate", [2, pytest.param("auto", marks=pytest.mark.slow),
+                                       pytest.param(4, marks=pytest.mark.slow)])
 def test_hsdp_on_a_two_by_two_mesh_equals_one_process_in_fp64(replicate):
-    # "auto" on 4 ranks of 2 "nodes" (LOCAL_WORLD_SIZE 2): a 2x2 mesh again
+    # "auto" on 4 ranks of 2 "nodes" (GROUP_WORLD_SIZE 2): a 2x2 mesh again; 4: a 4x1 mesh (replicas only)
     env = {"GROUP_WORLD_SIZE": "2"} if replicate == "auto" else None
     results = run_distributed(_hsdp_step, 4, replicate, env=env)
     ref_loss, ref_tokens, before, ref_params = reference_step([mb for r in range(4) for mb in _microbatches(r)])
+    replicas = 4 if replicate == 4 else 2
     for rank, (stats, params, shape, names, calls) in enumerate(results):
-        assert shape == (2, 2) and names == ("replicate", "shard"), (shape, names)
+        assert shape == (replicas, 4 // replicas) and names == ("replicate", "shard"), (shape, names)
         assert stats.tokens == ref_tokens
         assert math.isclose(stats.loss, ref_loss, rel_tol=1e-9), (rank, stats.loss, ref_loss)
         assert relative_difference(params, ref_params) < 1e-9, rank
@@ -54,13 +56,14 @@ def test_hsdp_on_a_two_by_two_mesh_equals_one_process_in_fp64(replicate):
         # Gradients: reduce-scattered over the 2 shards, then all-reduced over the 2 replicas, both
         # SUMs (an average would halve the update, which the comparison above would catch too),
         # once per step: only the last microbatch's backward reduces.
-        reductions = [(c["name"], c["group_size"], c["op"]) for c in calls
-                      if c["name"].startswith("reduce_scatter") or (c["name"] == "all_reduce" and c["group_size"] == 2)]
+        reductions = [(c["name"], c["group_size"], c["op"]) for c in calls if c["name"].startswith("reduce_scatter")
+                      or (c["name"] == "all_reduce" and c["group_size"] == replicas)]
         assert reductions and all(op == "SUM" for _, _, op in reductions), reductions
-        assert {name for name, _, _ in reductions} == {"reduce_scatter_single", "all_reduce"}, reductions
-        # FSDP's all-gathers stay inside a replica (2 ranks: one node)
+        expected = {"reduce_scatter_single", "all_reduce"} if replicas < 4 else {"all_reduce"}  # 1 shard: no scatter
+        assert {name for name, _, _ in reductions} == expected, reductions
+        # FSDP's all-gathers stay inside a replica (one node's ranks; none with one shard)
         gathers = {c["group_size"] for c in calls if c["name"].startswith("all_gather")}
-        assert gathers == {2}, gathers
+        assert gathers == ({4 // replicas} if replicas < 4 else set()), gathers
 
 
 def test_a_mesh_that_does_not_tile_the_world_is_a_config_error():

@@ -103,14 +103,16 @@ def _by_kind(calls: list[dict]) -> dict:
     return totals
 
 
-def test_plan_payloads_equal_those_counted_on_four_gloo_ranks():
-    measured = run_distributed(_recorded_payloads, 4)[0]
+@pytest.mark.parametrize("world_size", [4, pytest.param(2, marks=pytest.mark.slow)])
+def test_plan_payloads_equal_those_counted_on_gloo_ranks(world_size):
+    """4 ranks: ddp, fsdp 1x4, HSDP 2x2; 2 ranks: ddp, fsdp 1x2, HSDP 2x1 (replicas only)."""
+    measured = run_distributed(_recorded_payloads, world_size)[0]
     with meta_device():
         model = tiny_gpt(torch.float64)
     counts = count_model(model, {"Block"}, 2, SEQ, "fp64", VOCAB)
     for (strategy, replicate, accumulation), recorded in zip(CASES, measured):
-        layout = Layout(world_size=4, ranks_per_node=4 // replicate, replicate=replicate, micro_batch_size=2,
-                        seq_len=SEQ, grad_accum_steps=accumulation, precision="fp64", optimizer="sgd")
+        layout = Layout(world_size=world_size, ranks_per_node=world_size // replicate, replicate=replicate,
+                        micro_batch_size=2, seq_len=SEQ, grad_accum_steps=accumulation, precision="fp64", optimizer="sgd")
         name = "hsdp" if replicate > 1 else strategy
         plan = next(p for p in plan_strategies(counts, layout) if p.name == name)
         planned: dict = {}

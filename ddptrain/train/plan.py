@@ -201,7 +201,10 @@ def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: i
 
 def plan_strategies(counts: ModelCounts, layout: Layout) -> list[StrategyPlan]:
     """Every strategy's plan for this model and layout."""
-    return [_plan(name, counts, layout) for name in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")]
+    plans = [_plan(name, counts, layout) for name in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")]
+    for plan in plans:  # a collective over one rank is no call at all (FSDP skips it too)
+        plan.collectives = [c for c in plan.collectives if c.ranks > 1]
+    return plans
 
 
 def _plan(name: str, counts: ModelCounts, layout: Layout) -> StrategyPlan:
