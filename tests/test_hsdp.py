@@ -89,18 +89,21 @@ HSDP = ["strategy=fsdp", "strategy.replicate=2"]
 def test_hsdp_layouts_and_an_hsdp_checkpoint_resumed_on_fewer_ranks_and_ddp_give_one_loss_curve(tmp_path):
     """1 rank x micro 8 (the straight run), fsdp 4 x 1, and a run that changes layout at each restart:
     HSDP 2x2 x micro 1 for steps 1-2, fsdp on 2 ranks (replicate=auto: one node, so 1x2) for
-    steps 3-4, ddp on 1 rank for steps 5-6. The same losses (fp64, 1e-9)."""
+    steps 3-4, HSDP 4x1 (replicas only) for step 5, ddp on 1 rank for step 6. The same losses
+    (fp64, 1e-9): DCP reshards the 2-D mesh's DTensors to every other mesh and to ddp."""
     straight = _curve(tmp_path, "ddp", 1, [*FP64, "batch.micro_size=8"])
     fsdp = _curve(tmp_path, "fsdp4", 4, [*FP64, "strategy=fsdp", "batch.micro_size=1"])
     moved = tmp_path / "moved"
     for ranks, args in ((4, [*HSDP, "batch.micro_size=1", "trainer.max_steps=2"]),
                         (2, ["strategy=fsdp", "strategy.replicate=auto", "batch.micro_size=1", "trainer.max_steps=4"]),
+                        (4, ["strategy=fsdp", "strategy.replicate=4", "batch.micro_size=2", "trainer.max_steps=5"]),
                         (1, ["strategy=ddp", "batch.micro_size=8"])):
         result = run_cli([*BASE, *_ragged_corpus(tmp_path), *FP64, *args, f"run.dir={moved}"], nproc=ranks)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert ranks == 4 or "resumed from" in result.stderr, result.stderr[-3000:]
+        assert "trainer.max_steps=2" in args or "resumed from" in result.stderr, result.stderr[-3000:]
     assert [m["step"] for m in read_metrics(moved)] == [m["step"] for m in straight]
-    _same({"ddp 1x8": straight, "fsdp 4x1": fsdp, "hsdp 2x2 -> fsdp 1x2 -> ddp 1": read_metrics(moved)}, 1e-9)
+    _same({"ddp 1x8": straight, "fsdp 4x1": fsdp, "hsdp 2x2 -> fsdp 1x2 -> hsdp 4x1 -> ddp 1": read_metrics(moved)},
+          1e-9)
 
 
 @pytest.mark.slow
