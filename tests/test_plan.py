@@ -34,6 +34,7 @@ def _plan_cli(args: list[str]) -> tuple[subprocess.CompletedProcess, float, int]
     return result, time.monotonic() - started, peak
 
 
+@pytest.mark.slow
 def test_the_plan_of_gpt2_small_and_a_1b_llama_prints_in_seconds_without_allocating_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
     cases = {"124,373,760 parameters": ["--world-size", "16", "--ranks-per-node", "8", "--device-memory", "80GiB",
