@@ -113,8 +113,6 @@ class ModelCounts:
     trainable: int
     largest_unit: int
     """Parameters of the largest shard unit (a transformer block), for FSDP's gathered buffers."""
-    root: int
-    """Parameters outside the blocks (embeddings, head, final norm): FSDP's root unit."""
     activations: Figure
     activation_note: str = ""
     """Why the activations are computed, where the meta run could not measure them."""
@@ -158,7 +156,7 @@ def count_model(model: nn.Module, blocks: set[str], micro_batch_size: int, seq_l
         activations = Figure(formula_activation_bytes(model, micro_batch_size, seq_len, precision, vocab_size),
                              "computed")
         note = f"activations from the formula: the meta forward failed ({str(error).splitlines()[0][:120]})"
-    return ModelCounts(parameters, trainable, largest, parameters - sum(units), activations, note)
+    return ModelCounts(parameters, trainable, largest, activations, note)
 
 
 def saved_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int, precision: str,
@@ -207,6 +205,10 @@ def plan_strategies(counts: ModelCounts, layout: Layout) -> list[StrategyPlan]:
     return plans
 
 
+def computed(value: float) -> Figure:
+    return Figure(value, "computed")
+
+
 def _plan(name: str, counts: ModelCounts, layout: Layout) -> StrategyPlan:
     n, b = layout.world_size, BYTES_PER_VALUE[layout.precision]
     accumulation = layout.grad_accum_steps
@@ -215,7 +217,6 @@ def _plan(name: str, counts: ModelCounts, layout: Layout) -> StrategyPlan:
     shards = n // layout.replicate if name == "hsdp" else n
     gathered_level = "intra" if name == "hsdp" or layout.nodes == 1 else "inter"
     world_level = "intra" if layout.nodes == 1 else "inter"
-    computed = lambda value: Figure(value, "computed")  # noqa: E731
     acts = counts.activations
     label = name if name != "hsdp" else f"hsdp {layout.replicate}x{shards}"
     notes: list[str] = []
@@ -377,7 +378,7 @@ def plan_for_config(cfg, world_size: int, ranks_per_node: int | None = None) -> 
     fixed = batch.micro_tokens is None and not batch.pack
     options = strategy_options(cfg.strategy)
     ranks_per_node = ranks_per_node or min(world_size, 8)
-    replicate = options.get("replicate", "auto") if cfg.strategy.name == "fsdp" else "auto"
+    replicate = options.get("replicate", "auto")  # fsdp's; the HSDP row of other strategies: one replica per node
     nodes = max(1, world_size // ranks_per_node)
     layout = Layout(world_size=world_size, ranks_per_node=min(ranks_per_node, world_size),
                     replicate=nodes if replicate in ("auto", 1) else int(replicate),
