@@ -11,7 +11,10 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,21 +130,67 @@ def init_distributed(timeout_s: float = 600.0) -> DistInfo:
     return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
 
 
-def _restart_safe_store(timeout: datetime.timedelta) -> dict:
-    """Under a torchrun restart, a store whose keys are private to this attempt.
+_ATTEMPT_KEY = "ddptrain/attempt_store"
+"""Rank 0's entry in the agent's store ("PORT ATTEMPT_ID"), and the id in the store it started."""
 
-    torchrun's agent keeps one TCPStore across worker restarts (TORCHELASTIC_USE_AGENT_STORE),
+
+def _restart_safe_store(timeout: datetime.timedelta) -> dict:
+    """Under torchrun's shared agent store, a store of this attempt only; otherwise the default env://.
+
+    torchrun's agent keeps one TCPStore across worker restarts (TORCHELASTIC_USE_AGENT_STORE=True),
     so a restarted group could read the dead attempt's gloo addresses and wait on them until the
-    timeout (seen here after `--max-restarts=1`). Prefixing the keys with the restart count gives
-    every attempt a clean rendezvous. Outside torchrun restarts: the default env:// init.
+    timeout (seen here after `--max-restarts=1`). Keys must therefore be private to the attempt, and
+    no environment variable names the attempt: TORCHELASTIC_RESTART_COUNT counts only failures (a
+    restart because a node joined keeps it), and differs between nodes (a joining node starts at 0);
+    the agent's rendezvous round never reaches the workers, and MASTER_PORT is the shared store's,
+    the same in every round. So rank 0 starts a fresh TCPStore on a free port and publishes its port
+    with a random attempt id in the agent's store; the other ranks take the published store that
+    answers with that id. An entry left by a dead attempt points at a closed port (its rank 0 is
+    gone: torchrun starts no worker before every agent has stopped the old ones) or at a store that
+    holds another id, so they retry until this attempt's rank 0 has written its entry. Under
+    `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the elastic recipe in docs/slurm-and-docker.md) rank 0
+    hosts a new store at a new MASTER_PORT in every attempt: the default env:// init is right there.
     """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timeout)
-    return {"store": dist.PrefixStore(f"ddptrain/attempt_{restart}", client),
-            "rank": env_rank(), "world_size": env_world_size()}
+    host = os.environ["MASTER_ADDR"]
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if env_rank() == 0:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        attempt = uuid.uuid4().hex
+        store.set(_ATTEMPT_KEY, attempt)
+        agent.set(_ATTEMPT_KEY, f"{store.port} {attempt}")
+    else:
+        store = _published_attempt_store(agent, host, timeout)
+    return {"store": store, "rank": env_rank(), "world_size": env_world_size()}
+
+
+def _published_attempt_store(agent: dist.Store, host: str, timeout: datetime.timedelta) -> dist.Store:
+    """The store that this attempt's rank 0 published in the agent's store (see _restart_safe_store)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, attempt = agent.get(_ATTEMPT_KEY).decode().split()
+        if _accepts_connections(host, int(port)):  # else a dead attempt's: TCPStore would retry it noisily
+            try:
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=2))
+                if store.get(_ATTEMPT_KEY).decode() == attempt:
+                    store.set_timeout(timeout)
+                    return store
+            except (dist.DistError, RuntimeError):
+                pass  # not this attempt's store after all (another process took the port)
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"rank {env_rank()}: no store of this attempt answered at {host} within "
+                                      f"{timeout.total_seconds():g}s (the agent store's {_ATTEMPT_KEY} is "
+                                      f"{port} {attempt})")
+        time.sleep(0.2)
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 def destroy_distributed() -> None:

@@ -2,14 +2,16 @@
 # GPU check: train a GPT-2-small-shaped GPT (12 layers x 12 heads x 768, seq_len 1024, vocabulary
 # 50304: ~124M parameters) in bf16 with trainer.compile=true for a few dozen steps, one process per
 # GPU, and print tokens/s, MFU and peak memory from metrics.jsonl; then a second short run with
-# torch.cuda.set_sync_debug_mode("warn") counts the host synchronisations of rank 0 by source line.
+# torch.cuda.set_sync_debug_mode("warn") counts the host synchronisations of rank 0 by source line;
+# last, packed attention per backend is timed against causal SDPA (benchmarks/bench_attention.py).
 #
 #   scripts/gpu_check.sh                    # all visible GPUs
 #   NPROC=1 STEPS=60 MICRO=8 scripts/gpu_check.sh
 #
 # Environment: NPROC (processes, default: every GPU), STEPS (default 40), LOG_EVERY (10), MICRO
 # (sequences per microbatch per GPU, default 16), SYNC_STEPS (steps of the sync-count run, default
-# 20; 0 skips it), WORK (scratch directory, default a new temporary one; kept at the end).
+# 20; 0 skips it), ATTENTION_SEQ_LENS (the packed-attention timing's T values, default 1024,4096;
+# empty skips it), WORK (scratch directory, default a new temporary one; kept at the end).
 # The data: this interpreter's standard-library sources as byte tokens in a uint16 token file, each
 # file ended by id 50256; the model's vocabulary is GPT-2's padded 50304, so the embedding and the
 # LM head cost what they cost in GPT-2 small. The first window holds the compile; the summary
@@ -26,6 +28,7 @@ STEPS=${STEPS:-40}
 LOG_EVERY=${LOG_EVERY:-10}
 MICRO=${MICRO:-16}
 SYNC_STEPS=${SYNC_STEPS:-20}
+ATTENTION_SEQ_LENS=${ATTENTION_SEQ_LENS-1024,4096}
 WORK=${WORK:-$(mktemp -d -t ddptrain_gpu_check.XXXXXX)}
 mkdir -p "$WORK"
 echo "gpu_check: $NPROC process(es) on: $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
@@ -137,5 +140,13 @@ for location, count in where.most_common(20):
 per_step = sum(count for count in where.values() if count >= steps)
 print(f"syncs at lines that fire in every step: {per_step} ({per_step / steps:.1f} per step)")
 EOF
+fi
+
+# 3. Packed attention per backend (benchmarks/bench_attention.py): fwd+bwd of gather, varlen, flex
+# and the dense mask beside plain causal SDPA of the same shape, bf16, GPT-2-small's heads, on one
+# GPU, short documents and one document per row.
+if [[ -n "$ATTENTION_SEQ_LENS" ]]; then
+    echo
+    python -m benchmarks.bench_attention --seq-lens "$ATTENTION_SEQ_LENS" --rows 8 --heads 12 --head-dim 64
 fi
 echo "gpu_check: done; run dirs under $WORK"

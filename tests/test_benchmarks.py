@@ -88,3 +88,18 @@ def test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save():
     assert table[1].split()[:4] == ["sync", "async", "start", "commit"], out
     sync, asynchronous, start, commit, steps = (float(value) for value in table[2].split())
     assert asynchronous == pytest.approx(start + commit, abs=2e-3) and sync > 0 and steps >= 0, out
+
+
+def test_attention_benchmark_prints_every_backend_beside_causal_sdpa():
+    out = _run("benchmarks.bench_attention", "--seq-lens", "64,128", "--rows", "1", "--heads", "2", "--head-dim", "8",
+               "--rounds", "1", "--repeats", "1")
+    assert out.startswith("benchmarks.bench_attention: cpu"), out
+    lines = out.splitlines()
+    assert "varlen: n/a here:" in out and "flex: n/a here: FlexAttention has no backward on CPU" in out, out
+    header = lines[lines.index("time, ms (x causal)") + 1].split()
+    assert header[-5:] == ["causal", "mask", "gather", "varlen", "flex"], out
+    rows = [line.split() for line in lines if line.split()[:2] in (["64", "short"], ["64", "long"], ["128", "short"],
+                                                                   ["128", "long"])]
+    assert len(rows) == 8, "4 rows of times, 4 of memory"
+    timed = rows[0]
+    assert timed[-2:] == ["n/a", "n/a"] and timed[-3].endswith("x") and timed[-5].endswith("x"), out

@@ -237,6 +237,7 @@ def test_gpu_check_script_runs_and_reports_throughput_and_host_syncs(tmp_path):
     """scripts/gpu_check.sh as documented in its header, with fewer steps and a smaller microbatch:
     the compiled bf16 GPT-2-small run on every GPU, its throughput table, and the sync-count run."""
     env = {**os.environ, "STEPS": "20", "LOG_EVERY": "10", "SYNC_STEPS": "10", "MICRO": "4", "WORK": str(tmp_path),
+           "ATTENTION_SEQ_LENS": "1024",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # its `python` is ours
     result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=1700)
@@ -245,6 +246,8 @@ def test_gpu_check_script_runs_and_reports_throughput_and_host_syncs(tmp_path):
     assert "after the first (compile) window: median" in result.stdout, output[-6000:]
     assert "host syncs on rank 0 over 10 steps (log every 10):" in result.stdout, output[-6000:]
     assert "syncs at lines that fire in every step:" in result.stdout, output[-6000:]
+    assert "benchmarks.bench_attention: cuda" in result.stdout and "time, ms (x causal)" in result.stdout, \
+        output[-6000:]
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [10, 20]
 
 

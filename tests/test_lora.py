@@ -139,6 +139,8 @@ def test_lora_needs_base_weights(tmp_path):
 def test_packed_rows_reach_the_adapted_model(tmp_path):
     model, _, _, _ = _trained(_base_dir(tmp_path / "base"), steps=2)
     HFAdapter().check_model(model, _model_cfg(tmp_path / "base"), SEQ, pack=True)  # per-document logits or raise
+    # The boundaries pass through peft's forward to ddptrain's attention function (the probe tells).
+    assert HFAdapter().use_attention(model, "gather", forced=True) == "gather"
 
 
 # -- only the adapter trains ----------------------------------------------------------------------

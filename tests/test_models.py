@@ -101,7 +101,7 @@ def test_the_packing_probe_refuses_a_model_that_attends_across_documents(tmp_pat
 
     model = hf.load_causal_lm(str(_llama_dir(tmp_path / "llama")), "sdpa", 256)
     hf.check_packing(model)  # honours the per-document mask
-    full = lambda segments, dtype: torch.zeros(segments.shape[0], 1, segments.shape[1], segments.shape[1], dtype=dtype)
+    full = lambda segments, dtype, window=None: torch.zeros(segments.shape[0], 1, segments.shape[1], segments.shape[1], dtype=dtype)
     monkeypatch.setattr(hf, "document_mask", full)  # a mask that lets every token see the earlier document
     with pytest.raises(ModelError, match="does not keep attention inside each packed document"):
         hf.check_packing(model)

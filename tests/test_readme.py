@@ -20,6 +20,9 @@ from tests.helpers import REPO, read_metrics
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
+REPRO = ("not run: the torch-only reproduction of the join that hangs "
+         "(docs/slurm-and-docker.md); tests/test_elastic.py runs the fixed recipe")
+
 # Every command in a ```bash block of README.md or docs/*.md (comments stripped): the test that runs
 # it (tests/FILE.py::TEST, with the sizes a test affords where the command trains for long), or why
 # no test runs it ("not run: ...").
@@ -57,6 +60,8 @@ COMMANDS = {
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
     "python -m benchmarks.bench_data": "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
+    "python -m benchmarks.bench_attention [--seq-lens 256,1024,4096] [--rows 2] [--heads 4] [--head-dim 64]":
+        "tests/test_benchmarks.py::test_attention_benchmark_prints_every_backend_beside_causal_sdpa",
     "python -m benchmarks.bench_data --seq-len 1024 --global-batch 16 --micro-size 4 --steps 100":
         "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
     "python -m benchmarks.bench_memory": "tests/test_benchmarks.py::test_memory_benchmark_compares_ddp_and_zero1",
@@ -64,6 +69,8 @@ COMMANDS = {
     "--inter-node-bandwidth 25GB/s model.n_layer=12 model.n_head=12 model.n_embd=768 data.vocab_size=50304 "
     "batch.seq_len=1024 batch.global_size=256 batch.micro_size=8":
         "tests/test_plan.py::test_the_plan_of_gpt2_small_and_a_1b_llama_prints_in_seconds_without_allocating_weights",
+    "python -m benchmarks.bench_checkpoint --mb 200 --rounds 3":
+        "tests/test_benchmarks.py::test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save",
     "python -m benchmarks.bench_peer --mode sft --rounds 3":
         "tests/test_benchmarks.py::test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl",
     "pip install 'ddptrain[plot]'": "not run: installs a package (the test extra includes matplotlib)",
@@ -80,6 +87,20 @@ COMMANDS = {
     "sbatch --wait launch/multi_node.sbatch trainer.max_steps=50":
         "tests/test_slurm.py::test_template_trains_to_max_steps",
     "sudo bash launch/local_cluster.sh stop": "tests/test_slurm.py::test_cluster_runs_a_job_on_both_nodes",
+    "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1":
+        "tests/test_elastic.py::test_a_node_lost_then_one_joining_keep_the_straight_runs_curve",
+    "torchrun --nnodes=1:2 --nproc-per-node=8 --max-restarts=3 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29400 "
+    "--rdzv-id=myrun --rdzv-conf=last_call_timeout=30,join_timeout=600 -m ddptrain run.dir=/shared/runs/myrun "
+    "checkpoint.every=50 trainer.max_steps=10000":
+        "tests/test_elastic.py::test_a_node_lost_then_one_joining_keep_the_straight_runs_curve (1 CPU rank per "
+        "agent, two agents on this machine)",
+    "run() { torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d "
+    "--rdzv-endpoint=127.0.0.1:29611 --rdzv-id=t1 --rdzv-conf=last_call_timeout=2 ar.py; }": REPRO,
+    "export -f run": REPRO,
+    "bash -c run & sleep 1": REPRO,
+    "setsid bash -c run & B=$!": REPRO,
+    "sleep 12; kill -9 -- -$B": REPRO,
+    "sleep 14; bash -c run": REPRO,
     "docker build -f docker/Dockerfile -t ddptrain .": "tests/test_docker.py::test_image_builds_and_trains",
     'docker run --rm --gpus all --ipc=host -v "$PWD/runs:/workspace/runs" ddptrain run.dir=runs/demo '
     "trainer.max_steps=1000 strategy=zero2":
@@ -190,6 +211,11 @@ RUN_VERBATIM = {
 """Tests of this file that take their commands from README.md itself: name -> the commands they run."""
 
 UNTESTED = {
+    "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1": {
+        "export": "the test puts the variable in each agent's environment (ELASTIC_ENV) instead of exporting it",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1": "the same: a dict key \"TORCH_DISABLE_SHARE_RDZV_TCP_STORE\" "
+                                                "with the value \"1\"",
+    },
     "python -m ddptrain data=text 'data.paths=[corpus/**/*.txt]' data.split_by=paragraph": {
         "data.split_by=": "the CLI test splits by file (the default); test_text_paragraphs_are_documents checks "
                           "split_by=paragraph through load_splits, not the command line",

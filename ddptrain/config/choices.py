@@ -21,6 +21,29 @@ SCHEDULES = ("cosine", "constant")
 """optim.schedule (after linear warmup)."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 """model=hf: model.attn_implementation."""
+ATTENTION_BACKENDS = ("auto", "gather", "varlen", "flex", "mask")
+"""trainer.attention: how packed rows keep attention inside each document (ddptrain/models/attention.py).
+auto: varlen on CUDA in bf16/fp16, else gather; gather: documents batched by length, causal SDPA (any
+device); varlen: FlashAttention varlen (CUDA, bf16/fp16); flex: FlexAttention with a document block mask
+(CUDA); mask: the dense (B, 1, T, T) mask, the reference."""
+ATTENTION_NEEDS = {
+    "varlen": (("cuda",), ("bf16", "fp16"), "torch's varlen attention runs FlashAttention kernels, CUDA only and in half "
+               "precision"),
+    "flex": (("cuda",), ("fp32", "bf16", "fp16"), "FlexAttention has no backward on CPU in torch 2.13, and no fp64 kernel"),
+}
+"""trainer.attention: the devices and precisions a backend runs on, and why (the others run anywhere)."""
+
+
+def attention_refusal(backend: str, device_type: str, precision: str) -> str | None:
+    """Why trainer.attention=`backend` cannot run on this device type and trainer.precision; None if it can."""
+    if backend not in ATTENTION_NEEDS:
+        return None
+    devices, precisions, why = ATTENTION_NEEDS[backend]
+    if device_type not in devices or precision not in precisions:
+        return (f"trainer.attention={backend} needs {' or '.join(devices)} and trainer.precision "
+                f"{' | '.join(precisions)} ({why}); this run has {device_type} and {precision}: use "
+                "trainer.attention=auto, gather or mask")
+    return None
 DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf", "sft")
 """data.name"""
 SFT_FORMATS = ("auto", "messages", "prompt_completion")

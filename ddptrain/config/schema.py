@@ -49,6 +49,8 @@ class TrainerConfig:
     """torch.compile each transformer block (start-up: tens of seconds of compiling on the first steps)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block in backward instead of keeping its activations (less memory, more compute)."""
+    attention: str = "auto"
+    """Packed rows' per-document attention: auto | gather | varlen | flex | mask (ddptrain/models/attention.py)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ import signal
 import typing
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -23,6 +24,7 @@ _CHOICES = {
     "trainer.precision": choices.PRECISIONS,
     "trainer.empty_step": choices.STEP_POLICIES,
     "trainer.nonfinite": choices.STEP_POLICIES,
+    "trainer.attention": choices.ATTENTION_BACKENDS,
     "optim.name": choices.OPTIMIZERS,
     "optim.schedule": choices.SCHEDULES,
     "data.name": choices.DATA_SOURCES,
@@ -98,6 +100,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
         raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
     _validate_strategy(cfg.strategy, cfg.trainer.precision, world_size)
+    _validate_attention(cfg.trainer)
     _validate_model(cfg.model)
     if not 0 <= cfg.objective.label_smoothing < 1:
         raise ConfigError(f"objective.label_smoothing={cfg.objective.label_smoothing!r} must be in [0, 1)")
@@ -113,6 +116,15 @@ def _validate_values(cfg: Any, world_size: int) -> int:
             raise ConfigError(f"batch.global_size={batch.global_size} must be {rule} the world size {world_size}")
         return 0  # varies per step and rank
     return grad_accum_steps(batch.global_size, batch.micro_size, world_size)
+
+
+def _validate_attention(trainer: Any) -> None:
+    """A forced backend must exist on this machine (the device follows CUDA's availability, as in
+    ddptrain.distributed) and in trainer.precision."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    refusal = choices.attention_refusal(trainer.attention, device_type, trainer.precision)
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def _schema_keys(schema) -> list[str]:

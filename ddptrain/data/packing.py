@@ -27,6 +27,7 @@ import torch
 
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.engine.objective import IGNORE_INDEX
+from ddptrain.data.boundaries import DocumentBoundaries
 
 
 @dataclass
@@ -73,7 +74,8 @@ class PackedExamples:
         return len(self.tokens) - self.documents
 
     def collate(self, indices: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """({"idx", "positions", "segments"}, targets), each (B, T) with T the longest row."""
+        """({"idx", "positions", "segments", "documents"}, targets): (B, T) tensors with T the longest
+        row, and the rows' DocumentBoundaries."""
         width = int(self.lengths[indices].max()) - 1
         shape = (len(indices), width)
         inputs = np.zeros(shape, dtype=np.int64)
@@ -85,9 +87,16 @@ class PackedExamples:
             used = len(row_inputs)
             inputs[row, :used], targets[row, :used] = row_inputs, row_targets
             positions[row, :used], segments[row, :used] = row_positions, row_segments
-        batch = {"idx": torch.from_numpy(inputs), "positions": torch.from_numpy(positions),
-                 "segments": torch.from_numpy(segments)}
-        return batch, torch.from_numpy(targets)
+        return packed_batch(inputs, positions, segments), torch.from_numpy(targets)
+
+
+def packed_batch(inputs: np.ndarray, positions: np.ndarray, segments: np.ndarray) -> dict:
+    """The model's keyword arguments for packed rows: idx, positions, segments (B, T), and the
+    document boundaries (offsets, the longest length, the gather plan) computed here, on the host,
+    once per microbatch (ddptrain/data/boundaries.py)."""
+    documents = DocumentBoundaries.from_segments(segments)
+    return {"idx": torch.from_numpy(inputs), "positions": torch.from_numpy(positions),
+            "segments": documents.segments, "documents": documents}
 
 
 def best_fit_decreasing(ids: np.ndarray, sizes: np.ndarray, capacity: int) -> list[np.ndarray]:
@@ -124,7 +133,8 @@ class ConversationRows:
         return int(self.positions[row].sum())
 
     def collate(self, rows: list[np.ndarray]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """({"idx", "positions", "segments"}, targets), each (B, T): B rows, T the widest."""
+        """({"idx", "positions", "segments", "documents"}, targets): (B, T) tensors (B rows, T the
+        widest), and the rows' DocumentBoundaries."""
         shape = (len(rows), max(self.width(row) for row in rows))
         inputs = np.zeros(shape, dtype=np.int64)
         targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
@@ -142,6 +152,4 @@ class ConversationRows:
                 positions[r, used] = np.arange(length - 1)
                 segments[r, used] = segment
                 at += length - 1
-        batch = {"idx": torch.from_numpy(inputs), "positions": torch.from_numpy(positions),
-                 "segments": torch.from_numpy(segments)}
-        return batch, torch.from_numpy(targets)
+        return packed_batch(inputs, positions, segments), torch.from_numpy(targets)

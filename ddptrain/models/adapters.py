@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ddptrain.models import attention
 from ddptrain.models import hf  # imports no transformers by itself: only its functions do
 from ddptrain.models import lora  # nor peft
 from ddptrain.models.gpt import GPT, GPTConfig
@@ -68,6 +69,18 @@ class ModelAdapter:
             raise ModelError(f"batch.pack=true needs a model whose forward takes positions= and segments= "
                              f"(attention inside each document); {type(model).__name__}.forward does not; "
                              "use batch.pack=false")
+
+    def use_attention(self, model: nn.Module, backend: str, forced: bool) -> str:
+        """Run packed rows through attention `backend` (ddptrain.models.attention.select_backend);
+        returns the backend that runs them (the dense `mask` where the model cannot take another
+        and `forced` is False, with a warning; a ModelError where it is forced). The default: a
+        `_target_` model whose forward takes `documents=` gets the boundaries with the backend
+        set; one that takes only positions= and segments= keeps its own attention."""
+        if "documents" not in _forward_parameters(model):
+            model.register_forward_pre_hook(_without_documents, with_kwargs=True)
+            return "the model's own (its forward takes positions= and segments=)"
+        model.register_forward_pre_hook(_documents_through(backend), with_kwargs=True)
+        return backend
 
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         """Checkpoint every transformer block of `model` (see the module docstring)."""
@@ -113,6 +126,11 @@ class GPTAdapter(ModelAdapter):
         fields = {key: value for key, value in config.items() if key != "name"}
         return GPT(GPTConfig(vocab_size=vocab_size, max_seq_len=seq_len, **fields))
 
+    def use_attention(self, model: nn.Module, backend: str, forced: bool) -> str:
+        backend = attention.without_dropout(backend, model.cfg.dropout, forced)
+        model.attention_backend = backend  # every backend runs in GPT's attention
+        return backend
+
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         model.activation_checkpointing = True  # GPT's own per-block flag
 
@@ -150,6 +168,28 @@ class HFAdapter(ModelAdapter):
 
     def saves_frozen_weights(self, spec: ModelSpec) -> bool:
         return not lora.is_enabled(spec.config)  # LoRA: the frozen base is model.path's, fingerprinted
+
+    def use_attention(self, model: nn.Module, backend: str, forced: bool) -> str:
+        """ddptrain's attention function where the probe shows that the architecture passes the
+        boundaries on to it (ddptrain.models.hf); else the dense mask (refused when forced)."""
+        problem = None
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        backend = attention.without_dropout(backend, getattr(base.config, "attention_dropout", 0.0), forced)
+        if backend != "mask":
+            implementation = getattr(base, "ddptrain_attn_implementation", base.config._attn_implementation)
+            if implementation != "sdpa":
+                problem = f"model.attn_implementation={implementation} keeps transformers' own attention"
+            else:
+                hf.use_packed_attention(model, backend)
+                problem = hf.packing_problem(model)
+            if problem is None:
+                return backend
+            if forced:
+                raise ModelError(f"trainer.attention={backend}: {type(model).__name__} cannot run it ({problem}); "
+                                 "use trainer.attention=auto or mask")
+            attention.warn_dense_fallback(f"{type(model).__name__}: {problem}")
+        hf.use_packed_attention(model, "mask")
+        return "mask"
 
     def check_model(self, model: nn.Module, model_cfg: Mapping, seq_len: int, pack: bool) -> None:
         if pack:
@@ -255,6 +295,30 @@ class CustomAdapter(ModelAdapter):
                              "method, so ddptrain does not know its blocks; add that method (transformers' "
                              "convention, e.g. wrapping each block in torch.utils.checkpoint.checkpoint(..., "
                              "use_reentrant=False)) or set trainer.activation_checkpointing=false")
+
+
+def _forward_parameters(model: nn.Module):
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _without_documents(module: nn.Module, args: tuple, kwargs: dict):
+    """A `_target_` model that takes positions= and segments= only: the boundaries are not its business."""
+    if "documents" not in kwargs:
+        return None
+    return args, {key: value for key, value in kwargs.items() if key != "documents"}
+
+
+def _documents_through(backend: str):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        documents = kwargs.get("documents")
+        if documents is None or documents.backend is not None:
+            return None
+        return args, {**kwargs, "documents": documents.using(backend)}
+
+    return hook
 
 
 NAMED = {"gpt": GPTAdapter, "hf": HFAdapter}

@@ -1,4 +1,8 @@
-"""A small decoder-only GPT (nanoGPT's shape). Plain nn.Module: it knows nothing of ranks."""
+"""A small decoder-only GPT (nanoGPT's shape). Plain nn.Module: it knows nothing of ranks.
+
+Packed rows keep attention inside each document through `attention_backend`
+(ddptrain/models/attention.py, trainer.attention): the document boundaries that collation computed
+reach every layer as they are, and nothing T x T is built unless the backend is `mask`."""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.models import attention
 
 
 @dataclass
@@ -32,17 +39,17 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: DocumentBoundaries | None = None) -> torch.Tensor:
         batch, seq, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         # (B, H, T, C/H)
         q, k, v = (t.view(batch, seq, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        else:  # (B, 1, T, T): causal and within one packed document
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, channels))
+        if documents is None:
+            y = attention.causal(q, k, v, dropout=dropout)
+        else:  # causal and within one packed document
+            y = attention.attend(q, k, v, documents, dropout=dropout)
+        return self.proj(y.reshape(batch, seq, channels))  # y: (B, T, H, C/H)
 
 
 class MLP(nn.Module):
@@ -64,8 +71,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask)
+    def forward(self, x: torch.Tensor, documents: DocumentBoundaries | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), documents)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -76,6 +83,8 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.activation_checkpointing = cfg.activation_checkpointing
+        self.attention_backend = "gather"
+        """Packed rows' attention (trainer.attention, resolved): gather | varlen | flex | mask."""
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -96,26 +105,27 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
-                segments: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V). Packed rows pass `positions` (restarting per document) and
-        `segments` (a document id per token): attention then stays inside each document."""
+                segments: torch.Tensor | None = None, documents: DocumentBoundaries | None = None) -> torch.Tensor:
+        """Logits (B, T, V). Packed rows pass `positions` (restarting per document) and either the
+        document boundaries that collation computed or only `segments` (a document id per token):
+        attention then stays inside each document."""
         seq = idx.size(1)
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
         if positions is None:
             positions = torch.arange(seq, device=idx.device)
-        mask = None
-        if segments is not None:
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=idx.device).tril()
-            mask = ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+        if documents is None and segments is not None:  # segments alone: the dense reference mask, built once
+            documents = DocumentBoundaries.for_mask(segments)
+        elif documents is not None and documents.backend is None:  # collation's: run them through ours
+            documents = documents.using(self.attention_backend)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Non-reentrant: works with no_sync, keyword arguments and inputs without grad,
                 # and restores the RNG state so that dropout recomputes the same mask.
-                x = checkpoint(block, x, mask, use_reentrant=False)
+                x = checkpoint(block, x, documents, use_reentrant=False)
             else:
-                x = block(x, mask)
+                x = block(x, documents)
         return self.head(self.ln_f(x))  # (B, T, V)
 
     def num_parameters(self) -> int:

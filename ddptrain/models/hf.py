@@ -3,6 +3,19 @@
 transformers is an optional extra (`pip install 'ddptrain[hf]'`) imported only here. Nothing is
 ever downloaded: the directory must hold config.json (and weights to fine-tune from; without them
 the model is initialised from the config with run.seed).
+
+Packed rows reach the model through transformers' own extension points: an attention function
+registered with `AttentionInterface` under PACKED_ATTENTION (its mask function, registered with
+`AttentionMaskInterface`, is transformers' sdpa_mask) receives the rows' document boundaries as a
+keyword argument (`documents`, passed down by the model's forward like `cu_seq_lens_q` is for
+DataCollatorWithFlattening) and runs them through ddptrain's backend (ddptrain/models/attention.py).
+Beside the boundaries goes a stand-in 4D mask, a broadcast view of one element (no T x T memory):
+transformers returns a 4D mask as given, so it builds no mask and does not search the position ids
+for packed sequences (which reads a flag back from the device and builds a dense mask).
+Forwards without boundaries (unpacked rows, with or without a padding mask) are exactly
+attn_implementation=sdpa's. model.attn_implementation=eager, and architectures whose attention
+cannot take the boundaries (the probe tells: the stand-in alone would attend across documents),
+keep the dense 4D mask (backend `mask`).
 """
 
 from __future__ import annotations
@@ -14,7 +27,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.models import attention
 from ddptrain.models.spec import ModelError
+
+PACKED_ATTENTION = "ddptrain_packed"
+"""The attn_implementation name of ddptrain's attention function (AttentionInterface)."""
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -94,13 +112,58 @@ def _prepare_for_training(model: nn.Module) -> None:
     # A training forward needs no key/value cache: building one costs memory and time.
     model.config.use_cache = False
     take_packed_rows(model)
+    model.packed_attention = "mask"  # until the trainer picks its backend (use_packed_attention)
 
 
 def take_packed_rows(module: nn.Module) -> None:
     """Let `module` (a transformers model, or a peft model around one) take packed rows: idx,
-    positions and segments become input_ids, position_ids and a 4D attention mask. A wrapper needs
-    its own hook: peft's forward passes unknown keyword arguments on beside input_ids=None."""
+    positions, segments and documents become input_ids, position_ids and either the boundaries
+    for ddptrain's attention function or a 4D mask (`use_packed_attention`). A wrapper needs its
+    own hook: peft's forward passes unknown keyword arguments on beside input_ids=None."""
     module.register_forward_pre_hook(_packed_rows_to_hf, with_kwargs=True)
+
+
+def use_packed_attention(model: nn.Module, backend: str) -> None:
+    """Run packed rows through `backend` (gather | varlen | flex: ddptrain's attention function;
+    mask: the dense 4D mask through the model's own attn_implementation). `model` may be a peft
+    wrapper: its base model's attention is switched, and both carry the backend."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "ddptrain_attn_implementation"):
+        base.ddptrain_attn_implementation = base.config._attn_implementation  # what unpacked rows asked for
+    if backend == "mask":
+        base.set_attn_implementation(base.ddptrain_attn_implementation)
+    else:
+        _register_packed_attention()
+        base.set_attn_implementation(PACKED_ATTENTION)
+    for module in {id(model): model, id(base): base}.values():
+        module.packed_attention = backend
+
+
+def _register_packed_attention() -> None:
+    transformers = _transformers()
+    from transformers.masking_utils import sdpa_mask
+
+    transformers.AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    transformers.AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+
+
+def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                             documents: DocumentBoundaries | None = None, sliding_window: int | None = None,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: q (B, H, T, d), k and v (B, Hkv, T, d) -> ((B, T, H, d), None).
+    With `documents`, attention stays inside each document (the mask is the stand-in); without,
+    transformers' own sdpa attention with the mask it built."""
+    if documents is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    unsupported = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported or not getattr(module, "is_causal", True):
+        what = ", ".join(unsupported) if unsupported else "non-causal attention"
+        raise attention.AttentionError(f"ddptrain's packed attention does not implement {what}")
+    return attention.attend(query, key, value, documents, scaling, dropout, sliding_window), None
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -122,53 +185,86 @@ def max_positions(model: nn.Module) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def document_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive (B, 1, T, T) mask: causal and inside one document (0 allowed, dtype's min masked)."""
-    seq = segments.size(1)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
-    allowed = (segments[:, :, None] == segments[:, None, :]) & causal
+def document_mask(segments: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive (B, 1, T, T) mask: causal and inside one document (and the sliding window), 0
+    allowed, dtype's min masked. The `mask` backend's form for transformers' own attention functions."""
+    allowed = attention.dense_mask(segments, window)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _packed_rows_to_hf(module: nn.Module, args: tuple, kwargs: dict):
-    """Packed rows come as idx/positions/segments; transformers takes input_ids, position_ids and
-    a 4D attention mask (which its masking code uses as given)."""
+    """Packed rows come as idx/positions/segments/documents; transformers takes input_ids and
+    position_ids, and either the boundaries (ddptrain's attention function) or a 4D attention
+    mask (which its masking code uses as given)."""
     if "segments" not in kwargs:
         return None
     kwargs = dict(kwargs)
     input_ids = kwargs.pop("idx") if "idx" in kwargs else args[0]
-    dtype = next(module.parameters()).dtype
-    kwargs["attention_mask"] = document_mask(kwargs.pop("segments"), dtype)
+    segments, documents = kwargs.pop("segments"), kwargs.pop("documents", None)
+    backend = getattr(module, "packed_attention", "mask")
+    if backend == "mask" or documents is None:
+        kwargs["attention_mask"] = document_mask(segments, next(module.parameters()).dtype, _sliding_window(module))
+    else:
+        kwargs["documents"] = documents if documents.backend is not None else documents.using(backend)
+        # A 4D mask is used as given: transformers builds none. A broadcast view, no T x T memory.
+        batch, seq = segments.shape
+        kwargs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=segments.device).expand(
+            batch, 1, seq, seq)
     kwargs["position_ids"] = kwargs.pop("positions")
     return (), {"input_ids": input_ids, **kwargs}
 
 
-def check_packing(model: nn.Module) -> None:
-    """Refuse packing unless a packed row computes each document exactly as if it were alone.
+def _sliding_window(model: nn.Module) -> int | None:
+    """The window of a model whose every layer slides (Mistral): a 4D mask given to transformers
+    replaces its own, window included. Models that mix windowed and full layers (Qwen2's
+    layer_types) cannot share one 4D mask; the probe then tells where documents exceed the window."""
+    config = model.config
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and set(layer_types) != {"sliding_attention"}):
+        return None
+    return window
 
-    Architectures differ in whether they honour a custom 4D mask and position ids; one small
-    forward on CPU tells, instead of silently attending across documents."""
+
+def packing_problem(model: nn.Module) -> str | None:
+    """Why a packed row does not compute each document exactly as if it were alone; None if it does.
+
+    Architectures differ in whether they honour the boundaries (or a custom 4D mask) and position
+    ids; one small forward on CPU tells, instead of silently attending across documents. The
+    probe's boundaries run the gather backend (varlen and flex need CUDA; the route to the kernel
+    is the same)."""
     lengths = (5, 7)
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, sum(lengths)), generator=generator)
     segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    documents = DocumentBoundaries.from_segments(segments.numpy()).using("gather")
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            packed = model(idx=ids, positions=positions, segments=segments).logits
+            packed = model(idx=ids, positions=positions, segments=segments, documents=documents).logits
             alone = torch.cat([model(ids[:, start:start + n]).logits
                                for start, n in zip((0, lengths[0]), lengths)], dim=1)
+    except (attention.AttentionError, TypeError, RuntimeError) as error:
+        return f"its forward fails with packed rows: {type(error).__name__}: {str(error).splitlines()[0]}"
     finally:
         model.train(was_training)
     difference = float((packed - alone).abs().max())
     if not difference <= 1e-4:
+        return f"logits differ by {difference:.3g} from each document alone"
+    return None
+
+
+def check_packing(model: nn.Module) -> None:
+    """Refuse packing unless a packed row computes each document exactly as if it were alone."""
+    problem = packing_problem(model)
+    if problem is not None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         raise ModelError(f"batch.pack=true: {type(model).__name__} with attn_implementation="
-                         f"{model.config._attn_implementation} does not keep attention inside each packed document "
-                         f"(logits differ by {difference:.3g} from each document alone); use batch.pack=false")
+                         f"{base.config._attn_implementation} does not keep attention inside each packed document "
+                         f"({problem}); use batch.pack=false")
 
 
 def save_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:

@@ -4,8 +4,9 @@ The contract (the same for every kind of model): `model(inputs)` maps token ids 
 (B, T, V) aligned with the targets, or returns an object with `.logits` (a transformers
 ModelOutput). ddptrain's data already pairs each input with its next-token target, so nothing
 shifts labels and no extra (B, T, V) copy is made. Packed rows arrive as keyword arguments
-`idx`, `positions` (restarting at 0 per document) and `segments` (a document id per token); a
-model that takes them must keep attention inside each document.
+`idx`, `positions` (restarting at 0 per document), `segments` (a document id per token) and
+`documents` (their DocumentBoundaries, ddptrain/data/boundaries.py: given only to a forward that
+takes it); a model that takes them must keep attention inside each document.
 
 `ModelSpec` records what rebuilds the model (kind, config, vocabulary, context length, tied
 weights); it is written beside the weights so that `ddptrain.load_model` can rebuild it.

@@ -19,10 +19,11 @@ from torch import nn
 
 from ddptrain.config.validation import grad_accum_steps, strategy_options
 from ddptrain.data import DataSplits, TrainBatches, load_splits
-from ddptrain.distributed import DistInfo
+from ddptrain.distributed import DistInfo, pick_device
 from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import Objective
 from ddptrain.models.adapters import ModelAdapter, adapter_for
+from ddptrain.models import attention
 from ddptrain.models.spec import ModelSpec
 from ddptrain.models.compiling import compile_model
 from ddptrain.train.optim import build_optimizer, build_scheduler
@@ -73,13 +74,17 @@ def train_batches(cfg, data: DataSplits, dist_info: DistInfo) -> TrainBatches:
                         dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len)
 
 
-def build_model(cfg, vocab_size: int) -> tuple[nn.Module, ModelSpec, ModelAdapter]:
+def build_model(cfg, vocab_size: int, device: torch.device | None = None,
+                precision: str | None = None) -> tuple[nn.Module, ModelSpec, ModelAdapter]:
     """The configured model with the same initial weights on every rank, checked by its adapter
-    (packing, context length), with activation checkpointing and compile when configured."""
+    (packing, context length), with packed rows' attention backend for `device` and `precision`
+    (default: the run's), activation checkpointing and compile when configured."""
     torch.manual_seed(cfg.run.seed)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     adapter = adapter_for(model_cfg)
     model, spec = adapter.build(model_cfg, vocab_size, cfg.batch.seq_len)
+    if cfg.batch.pack:
+        use_packed_attention(cfg, adapter, model, device or pick_device(0), precision or cfg.trainer.precision)
     adapter.check_model(model, model_cfg, cfg.batch.seq_len, cfg.batch.pack)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -91,6 +96,17 @@ def build_model(cfg, vocab_size: int) -> tuple[nn.Module, ModelSpec, ModelAdapte
     if cfg.trainer.compile:
         compile_model(model)  # after the adapter's eager checks
     return model, spec, adapter
+
+
+def use_packed_attention(cfg, adapter: ModelAdapter, model: nn.Module, device: torch.device, precision: str) -> str:
+    """trainer.attention for packed rows, resolved for this device and precision, set on the model
+    and named at start-up (ddptrain/models/attention.py)."""
+    requested = cfg.trainer.attention
+    backend = attention.select_backend(requested, device.type, precision)  # a ModelError where it is missing
+    used = adapter.use_attention(model, backend, forced=requested != "auto")
+    chosen = f"trainer.attention={requested}" + (f" on {device.type}, {precision}" if requested == "auto" else "")
+    log.info("packed attention: %s [%s]", attention.describe(used), chosen)
+    return used
 
 
 def optimizer_and_schedule(cfg, model: nn.Module):
@@ -135,7 +151,8 @@ def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, preci
     torch.manual_seed(cfg.run.seed)
     data = load_data(cfg, dist_info)
     batches = train_batches(cfg, data, dist_info)
-    model, spec, adapter = build_model(cfg, data.vocab_size)
+    model, spec, adapter = build_model(cfg, data.vocab_size, device or dist_info.device,
+                                       precision or cfg.trainer.precision)
     if prepare is not None:
         prepare(model)
     optimizer, scheduler = optimizer_and_schedule(cfg, model)

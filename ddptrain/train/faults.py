@@ -6,10 +6,17 @@ DDPTRAIN_FAILPOINT is set (parsed once, at start-up).
     DDPTRAIN_FAILPOINT="kill@5:1"                rank 1 is SIGKILLed before step 5
     DDPTRAIN_FAILPOINT="kill_in_checkpoint@4:0"  rank 0 is SIGKILLed half-way through writing
                                                  the checkpoint of step 4
+    DDPTRAIN_FAILPOINT="slow@1:0"                rank 0 sleeps SLOW_STEP_S before every step from
+                                                 step 1 on (a run slow enough for a test to act
+                                                 on it mid-run: kill a node, add one)
 
 Steps count from 1 (the step being run or saved); the rank defaults to 0. Several failpoints are
-separated by commas. A failpoint fires only in the first attempt of a run (not after a torchrun
-restart), so a restarted run can show that it recovers.
+separated by commas. A failpoint fires once per run dir, so a restarted run can show that it
+recovers: before firing, it leaves a marker in `<run.dir>/.failpoints/`, and a failpoint with a
+marker never fires again. The marker, not TORCHELASTIC_RESTART_COUNT, is what tells a restart: torch's
+agent counts only failed attempts, so the restart after a node joins keeps the count, and the
+joining node's workers start at 0 while the others are at 1. `slow` is no fault and holds in every
+attempt.
 """
 
 from __future__ import annotations
@@ -18,25 +25,31 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 from torch import nn
 
 ENV = "DDPTRAIN_FAILPOINT"
-KINDS = ("nan", "hang", "kill", "kill_in_checkpoint")
+KINDS = ("nan", "hang", "kill", "kill_in_checkpoint", "slow")
+SLOW_STEP_S = 0.1
 
 
 class FaultInjector:
     """The failpoints of one rank, parsed from the environment."""
 
-    def __init__(self, points: set[tuple[str, int]]):
+    def __init__(self, points: set[tuple[str, int]], rank: int = 0, run_dir: str | Path | None = None):
         self.points = points  # (kind, step) for this rank
+        self.rank = rank
+        self.markers = Path(run_dir) / ".failpoints" if run_dir is not None else None
+        self.slow_from = min((step for kind, step in points if kind == "slow"), default=None)
 
     @classmethod
-    def from_env(cls, rank: int) -> "FaultInjector | None":
-        """The injector for `rank`, or None when no failpoint is set (or after a torchrun restart)."""
+    def from_env(cls, rank: int, run_dir: str | Path | None = None) -> "FaultInjector | None":
+        """The injector for `rank`, or None when no failpoint is set. Without a run dir a failpoint
+        fires in every attempt."""
         spec = os.environ.get(ENV, "")
-        if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        if not spec:
             return None
         points = set()
         for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -47,17 +60,33 @@ class FaultInjector:
                                  f"{', '.join(KINDS)}")
             if int(at_rank or 0) == rank:
                 points.add((kind, int(step)))
-        return cls(points)
+        return cls(points, rank, run_dir)
+
+    def _fires(self, kind: str, step: int) -> bool:
+        """Is (kind, step) a failpoint of this rank that has not fired in this run dir yet? If so it
+        is marked as fired (before it fires: a kill leaves no time after)."""
+        if (kind, step) not in self.points:
+            return False
+        if self.markers is None:
+            return True
+        marker = self.markers / f"{kind}@{step}:{self.rank}"
+        if marker.exists():
+            return False
+        self.markers.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"fired at pid {os.getpid()}\n")
+        return True
 
     @contextlib.contextmanager
     def around_step(self, step: int, model: nn.Module) -> Iterator[None]:
-        """Before step `step`: hang or die; during it: NaN logits."""
-        if ("hang", step) in self.points:
+        """Before step `step`: slow down, hang or die; during it: NaN logits."""
+        if self.slow_from is not None and step >= self.slow_from:
+            time.sleep(SLOW_STEP_S)
+        if self._fires("hang", step):
             time.sleep(3600)
-        if ("kill", step) in self.points:
+        if self._fires("kill", step):
             _kill_self()
         hook = None
-        if ("nan", step) in self.points:
+        if self._fires("nan", step):
             hook = model.register_forward_hook(lambda module, args, out: out * float("nan"))
         try:
             yield
@@ -67,7 +96,7 @@ class FaultInjector:
 
     def in_checkpoint(self, step: int) -> Callable[[], None] | None:
         """What to call half-way through writing the checkpoint of `step` (None: nothing)."""
-        return _kill_self if ("kill_in_checkpoint", step) in self.points else None
+        return _kill_self if self._fires("kill_in_checkpoint", step) else None
 
 
 def _kill_self() -> None:

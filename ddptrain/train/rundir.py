@@ -138,7 +138,8 @@ class RunDirLock:
             pass
 
 
-PREVIOUS_RUN_FILES = ("checkpoints", "final", "servable", "metrics.jsonl", "config.yaml", "train.log", "wandb")
+PREVIOUS_RUN_FILES = ("checkpoints", "final", "servable", "metrics.jsonl", "config.yaml", "train.log", "wandb",
+                      ".failpoints")
 
 
 def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist_info
         self.state = TrainState()
-        self.faults = FaultInjector.from_env(dist_info.rank)  # None unless DDPTRAIN_FAILPOINT is set
+        self.faults = FaultInjector.from_env(dist_info.rank, cfg.run.dir)  # None unless DDPTRAIN_FAILPOINT is set
         self.checkpointer = Checkpointer(cfg, dist_info, self.faults)
         self.built: builder.Built | None = None
         self.metrics: MetricsLogger | None = None
@@ -140,13 +141,12 @@ class Trainer:
                 val_loss = self.evaluator.run(self.engine) if evaluate else None
                 if log_line:
                     self._log_step(stats, lr, val_loss)
-                if save:
-                    self.checkpointer.save(step, self.engine, self.trainer_state)
+                saved = self.checkpointer.save(step, self.engine, self.trainer_state) if save else None
                 self.checkpointer.poll(step)  # commits a background save once every rank has written it
                 if step == last:
                     self._save_final()
                 elif self.preemption.should_stop_at(step):
-                    self._preempt()
+                    self._preempt(saved)
 
     def _train_step(self, batches: Prefetcher) -> StepStats:
         """Engine.step on this rank's microbatches, with the step named in any collective failure
@@ -193,6 +193,7 @@ class Trainer:
             "skipped_steps": self.engine.skipped_steps,
             "filler_microbatches": self.state.filler_microbatches,
             "samples_seen": self.train_batches.plan.samples_seen(self.step),
+            "world_size": self.dist.world_size,
         }
         if val_loss is not None:
             record["val_loss"] = val_loss
@@ -200,14 +201,17 @@ class Trainer:
             record["loss_scale"] = float(self.engine.loss_scale.scale)
         self.metrics.log(record)
 
-    def _preempt(self) -> None:
+    def _preempt(self, saved: Path | None) -> None:
+        """Checkpoint this step (unless its scheduled checkpoint was just written) and exit. The
+        checkpointer logs "checkpoint of step N saved" once; this line only says why the run stops."""
         self._read_steps()
         name = self.preemption.signal_name()
-        path = self.checkpointer.save(self.step, self.engine, self.trainer_state)
+        if saved is None:
+            saved = self.checkpointer.save(self.step, self.engine, self.trainer_state)
         self._save_final()
         code = self.cfg.checkpoint.preempt_exit_code
-        log.warning("preempted by %s: checkpoint of step %d saved in %s; exiting with code %d",
-                    name, self.step, path, code)
+        log.warning("preempted by %s at step %d (resumes from %s); exiting with code %d",
+                    name, self.step, saved.name, code)
         raise Preempted(code)
 
     def _save_final(self) -> None:

@@ -1,0 +1,229 @@
+"""Attention for packed rows: each document attends to itself alone, from its boundaries.
+
+Collation (ddptrain/data/packing.py) turns a microbatch's segment ids into `DocumentBoundaries`
+(ddptrain/data/boundaries.py) once, on the host: cu_seqlens-style offsets of every document in the
+flattened (B * T) rows, the longest document's length as a host int (so no kernel launch waits on
+`.item()`), and the gather plan. Nothing here builds a T x T tensor unless the `mask` backend is
+asked for. Every run of equal segment ids in a row is a document, the row's padding included:
+padding then attends only to padding, as under the dense mask, so every backend computes the same
+numbers at every position.
+
+Backends (`trainer.attention`, picked at start-up by `select_backend`):
+
+- gather (any device): the documents are gathered into padded batches sorted by length and run
+  through plain causal SDPA, no mask (so flash or efficient kernels on CUDA), then put back. The
+  buckets (each padded to its longest document, at most twice its shortest; documents of up to 16
+  tokens together) bound the buffer (ddptrain/data/boundaries.py) and make one SDPA call each. A
+  document padded at its end never lets a real token see the padding (causal), so no mask is
+  needed. The gather is one permutation with padding, and so is its backward: index_select both
+  ways, never index_select's scatter-add backward (slow on CPU). Rows that are whole documents go
+  straight to causal SDPA.
+- varlen (CUDA, bf16/fp16): torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`)
+  over the flattened rows with cu_seqlens and the host's max length.
+- flex (CUDA): FlexAttention, compiled, with a document block mask (same segment, causal), as
+  torchtitan does.
+- mask: the dense (B, 1, T, T) boolean mask with SDPA: the reference, and the fallback where the
+  others do not apply (with a warning).
+
+Whatever a backend derives from the boundaries (a sliding-window band, the block mask, the dense
+mask) is built once per microbatch and cached on the boundaries object, never per layer.
+Sliding windows (`window`: a query sees the `window` latest keys, itself included, transformers'
+convention) and grouped-query attention (fewer key/value heads) work on every backend. `attend`
+runs outside torch.compile's graphs (its shapes depend on the data), so a compiled block does not
+recompile for each new document layout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ddptrain.config.choices import ATTENTION_BACKENDS, attention_refusal
+from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.models.spec import ModelError
+
+log = logging.getLogger(__name__)
+
+DESCRIPTIONS = {
+    "gather": "documents gathered into length-sorted batches, causal SDPA without a mask",
+    "varlen": "torch's FlashAttention varlen kernel over cu_seqlens",
+    "flex": "FlexAttention with a document block mask",
+    "mask": "a dense (B, 1, T, T) mask with SDPA (the reference: T^2 memory per row)",
+}
+
+
+class AttentionError(ModelError):
+    """A backend cannot run as asked; the message names the backend and the rule."""
+
+
+# -- choosing a backend --------------------------------------------------------------------------------
+
+
+def select_backend(requested: str, device_type: str, precision: str) -> str:
+    """The backend that `trainer.attention=requested` means on this device and precision: auto is
+    varlen on CUDA in bf16/fp16 and gather everywhere else; a forced one is refused where missing."""
+    if requested not in ATTENTION_BACKENDS:
+        raise AttentionError(f"trainer.attention={requested!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if requested == "auto":
+        return "varlen" if attention_refusal("varlen", device_type, precision) is None else "gather"
+    refusal = attention_refusal(requested, device_type, precision)
+    if refusal is not None:
+        raise AttentionError(refusal)
+    return requested
+
+
+def without_dropout(backend: str, dropout: float, forced: bool) -> str:
+    """`backend`, or gather where it has no attention dropout (varlen, flex) and the model has some;
+    an AttentionError where that backend was forced."""
+    if not dropout or backend not in ("varlen", "flex"):
+        return backend
+    if forced:
+        raise AttentionError(f"trainer.attention={backend} has no attention dropout, and the model's is {dropout}; "
+                             "use trainer.attention=auto, gather or mask, or no attention dropout")
+    return "gather"
+
+
+def describe(backend: str) -> str:
+    """The backend and what it does, for the start-up line (a `_target_` model's own: as given)."""
+    return f"{backend} ({DESCRIPTIONS[backend]})" if backend in DESCRIPTIONS else backend
+
+
+def warn_dense_fallback(reason: str) -> None:
+    log.warning("packed attention falls back to the dense mask: %s; it costs T^2 memory per row and "
+                "SDPA's masked path", reason)
+
+
+# -- the backends: q, k, v (B, H, T, d) -> (B, T, H, d) ---------------------------------------------------
+
+
+@torch.compiler.disable  # ragged, data-dependent shapes: eager, between a compiled block's graphs
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentBoundaries,
+           scale: float | None = None, dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
+    """Attention of every query to the earlier keys of its own document (the `window` latest
+    ones, when given) through `documents.backend`. q (B, H, T, d), k and v (B, Hkv, T, d) with H a
+    multiple of Hkv; returns (B, T, H, d)."""
+    backend = documents.backend or "gather"
+    if dropout and backend in ("varlen", "flex"):
+        raise AttentionError(f"trainer.attention={backend} has no attention dropout ({dropout}); "
+                             "use trainer.attention=gather or mask")
+    if backend == "gather":
+        return _gather(q, k, v, documents, scale, dropout, window)
+    if backend == "varlen":
+        return _varlen(q, k, v, documents, scale, window)
+    if backend == "flex":
+        return _flex(q, k, v, documents, scale, window)
+    if backend == "mask":
+        mask = documents.cached(("dense", window, q.device), lambda: dense_mask(documents.segments, window))
+        return _sdpa(q, k, v, mask, scale, dropout).transpose(1, 2)
+    raise AttentionError(f"unknown attention backend {backend!r} (one of {', '.join(DESCRIPTIONS)})")
+
+
+def causal(q, k, v, scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """Plain causal attention over whole rows (unpacked), (B, H, T, d) -> (B, T, H, d)."""
+    return _sdpa(q, k, v, None, scale, dropout).transpose(1, 2)
+
+
+def _sdpa(q, k, v, mask, scale, dropout):
+    gqa = k.size(1) != q.size(1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+
+
+def band_mask(length: int, window: int | None, device) -> torch.Tensor:
+    """(L, L) boolean: causal, and within the `window` latest keys when given."""
+    rows = torch.arange(length, device=device)
+    distance = rows[:, None] - rows[None, :]
+    allowed = distance >= 0
+    return allowed if window is None else allowed & (distance < window)
+
+
+def dense_mask(segments: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(B, 1, T, T) boolean: causal, inside one document (and the window): the reference."""
+    same = segments[:, :, None] == segments[:, None, :]
+    return (same & band_mask(segments.size(1), window, segments.device))[:, None]
+
+
+class _Reindex(torch.autograd.Function):
+    """out = x.index_select(0, index), with a backward that is a gather too: grad.index_select(0, back).
+
+    Gathering rows into the buffer (index: gather_index, back: token_position): every token sits
+    at one buffer position; padding positions get exactly zero gradient (no real query attends to
+    them, their outputs are dropped), so nothing is summed. Scattering the buffer back (index:
+    token_position, back: gather_padded, `zero_row`): the padding positions' gradient is zero, read
+    from a zero row appended to the gradient. Neither way is a scatter-add (index_select's own
+    backward, slow on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, index, back, zero_row: bool):
+        ctx.save_for_backward(back)
+        ctx.zero_row = zero_row
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (back,) = ctx.saved_tensors
+        if ctx.zero_row:
+            grad = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        return grad.index_select(0, back), None, None, None
+
+
+def _gather(q, k, v, documents, scale, dropout, window):
+    batch, heads, seq, dim = q.shape
+    if documents.rows_are_documents:  # nothing to gather: the rows are the documents
+        band = None
+        if window is not None and window < seq:
+            band = documents.cached(("band", "rows", window, q.device), lambda: band_mask(seq, window, q.device))
+        return _sdpa(q, k, v, band, scale, dropout).transpose(1, 2)
+    gathered = [_Reindex.apply(t.transpose(1, 2).reshape(batch * seq, t.size(1), dim), documents.gather_index,
+                               documents.token_position, False) for t in (q, k, v)]  # (P, H, d); the reshape is a view in GPT
+    pieces, at = [], 0
+    for number, (docs, longest) in enumerate(documents.buckets):
+        qb, kb, vb = (t[at:at + docs * longest].view(docs, longest, t.size(1), dim).transpose(1, 2) for t in gathered)
+        mask = None
+        if window is not None and window < longest:
+            mask = documents.cached(("band", number, window, q.device), lambda: band_mask(longest, window, q.device))
+        pieces.append(_sdpa(qb, kb, vb, mask, scale, dropout).transpose(1, 2).reshape(docs * longest, heads, dim))
+        at += docs * longest
+    buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    rows = _Reindex.apply(buffer, documents.token_position, documents.gather_padded, True)
+    return rows.view(batch, seq, heads, dim)
+
+
+def _varlen(q, k, v, documents, scale, window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    batch, heads, seq, dim = q.shape
+    flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]
+    cu = documents.cu_seqlens
+    left = -1 if window is None else window - 1  # flash counts the keys before the query
+    out = varlen_attn(*flat, cu, cu, documents.max_length, documents.max_length, scale=scale,
+                      window_size=(left, 0), enable_gqa=k.size(1) != heads)
+    return out.view(batch, seq, heads, dim)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, documents, scale, window):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if q.is_cuda and _compiled_flex is None:
+        # Uncompiled, flex attention materialises the scores; compiled once, its kernel is fused.
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    segments = documents.segments
+    batch, _, seq, _ = q.shape
+
+    def document_causal(b, h, q_idx, kv_idx):
+        allowed = (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
+        return allowed if window is None else allowed & (q_idx - kv_idx < window)
+
+    # _compile: evaluate the mask block by block (torchtitan does so), never as a B x T x T grid.
+    block_mask = documents.cached(("flex", window, q.device), lambda: create_block_mask(
+        document_causal, batch, None, seq, seq, device=q.device, _compile=q.is_cuda))
+    run = _compiled_flex if q.is_cuda else flex_attention  # CPU: forward only (no backward in torch 2.13)
+    out = run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
+    return out.transpose(1, 2)

@@ -1,0 +1,437 @@
+"""Packed rows' attention from document boundaries: every backend equals the dense-mask reference
+(forward and gradients; gather to 1e-9 in fp64, the others to 1e-5 in fp32), on the built-in GPT
+and on a tiny Llama (grouped-query) and Mistral (sliding window) through model=hf; backends are
+chosen and refused by rule; no host sync.
+
+varlen and flex run on CUDA only (FlexAttention has no backward on CPU in torch 2.13; varlen is
+FlashAttention, half precision): their tests are skipped without a GPU and say so. On the CPU
+flex's forward still runs (eagerly), which checks its document mask against the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import ddptrain
+from ddptrain.config.schema import ConfigError
+from ddptrain.data.boundaries import SMALL_DOCUMENT, DocumentBoundaries
+from ddptrain.data.dataset import TokenExamples
+from ddptrain.data.packing import PackedExamples
+from ddptrain.models import GPT, GPTConfig, attention
+from ddptrain.models.spec import ModelError
+from tests.helpers import import_optional
+
+VOCAB, SEQ = 64, 96
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device: varlen (FlashAttention) and flex (no backward on CPU in "
+                                       "torch 2.13) run on CUDA only")
+
+
+def packed_microbatch(rows: int = 3, seed: int = 0, longest: int = 40):
+    """(batch, targets): `rows` packed rows of SEQ tokens cut from documents of 1 to `longest` tokens
+    (many documents per row), the last row shorter (padding)."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, VOCAB, size=int(n)).astype(np.uint8) for n in rng.integers(2, longest, size=60)]
+    packed = PackedExamples.from_examples(TokenExamples.from_documents(docs, SEQ), SEQ)
+    return packed.collate(np.r_[np.arange(rows - 1), len(packed) - 1])
+
+
+def ragged_segments(rows: int, width: int, seed: int = 0, padding: int = 5) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    segments = np.full((rows, width), -1)
+    for row in range(rows):
+        at = segment = 0
+        while at < width - padding:
+            length = int(rng.integers(1, 40))
+            segments[row, at:at + length] = segment
+            at, segment = at + length, segment + 1
+    return segments[:, :width]
+
+
+def qkv(shape, heads_kv, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    batch, heads, seq, dim = shape
+    make = lambda h: torch.randn(batch, h, seq, dim, generator=gen, dtype=torch.float64).to(device, dtype)
+    return [t.requires_grad_() for t in (make(heads), make(heads_kv), make(heads_kv))]
+
+
+def outputs_and_grads(fn, tensors):
+    out = fn(*tensors)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights.to(out.device, out.dtype)).sum(), tensors)
+    return [out.detach(), *grads]
+
+
+def assert_close(ours, reference, tolerance, what):
+    for name, a, b in zip(("output", "grad q", "grad k", "grad v"), ours, reference):
+        scale = b.abs().max().clamp_min(1e-30)
+        worst = float((a.double() - b.double()).abs().max() / scale)
+        assert worst <= tolerance, f"{what}: {name} differs by {worst:.3g} (relative) > {tolerance}"
+
+
+# -- boundaries ---------------------------------------------------------------------------------------------
+
+
+def test_boundaries_are_offsets_and_a_bounded_gather_plan():
+    segments = ragged_segments(4, 200)
+    documents = DocumentBoundaries.from_segments(segments)
+    tokens = segments.size
+    lengths = np.diff(documents.cu_seqlens.numpy())
+    assert documents.cu_seqlens.dtype == torch.int32 and int(documents.cu_seqlens[-1]) == tokens
+    assert isinstance(documents.max_length, int) and documents.max_length == lengths.max()
+    # every run of one segment id in a row is one document, padding included
+    runs = sum(1 + int((row[1:] != row[:-1]).sum()) for row in segments)
+    assert len(lengths) == runs
+    assert sorted(documents.token_position.tolist()) == sorted(set(documents.token_position.tolist()))
+    assert torch.equal(documents.gather_index[documents.token_position], torch.arange(tokens)), "every token once"
+    buffer = len(documents.gather_index)
+    assert buffer == sum(docs * longest for docs, longest in documents.buckets)
+    small = int((lengths <= SMALL_DOCUMENT).sum())
+    assert buffer <= 2 * tokens + SMALL_DOCUMENT * small, (buffer, tokens)
+    firsts = [longest for _, longest in documents.buckets]
+    assert firsts == sorted(firsts, reverse=True) and len(firsts) <= int(np.log2(200)) - 3, "longest first"
+
+
+def test_collation_carries_the_boundaries_and_they_travel_like_tensors():
+    batch, _ = packed_microbatch()
+    documents = batch["documents"]
+    assert documents.segments is batch["segments"] and documents.backend is None
+    assert documents.max_length <= SEQ and len(documents.cu_seqlens) > 2 * 3, "many documents per row"
+    moved = documents.to("cpu")
+    assert moved.max_length == documents.max_length and torch.equal(moved.token_position, documents.token_position)
+
+
+# -- backends against the dense mask -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["causal", "sliding_window"])
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+def test_gather_equals_the_dense_mask_in_fp64(window, heads_kv):
+    documents = DocumentBoundaries.from_segments(ragged_segments(3, 128))
+    tensors = qkv((3, 4, 128, 8), heads_kv, torch.float64)
+    reference = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("mask"), window=window), tensors)
+    ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("gather"), window=window), tensors)
+    assert_close(ours, reference, 1e-9, "gather")
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["causal", "sliding_window"])
+def test_flex_document_mask_equals_the_dense_mask_forward_on_cpu(window):
+    documents = DocumentBoundaries.from_segments(ragged_segments(2, 64))
+    q, k, v = (t.detach().float() for t in qkv((2, 4, 64, 8), 2, torch.float64))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex attention's "not compiled" warning: the CPU has no backward anyway
+        flex = attention.attend(q, k, v, documents.using("flex"), window=window)
+        reference = attention.attend(q, k, v, documents.using("mask"), window=window)
+    assert float((flex - reference).abs().max()) <= 1e-5
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend,dtype,tolerance", [("gather", torch.float32, 1e-5), ("flex", torch.float32, 1e-5),
+                                                     ("varlen", torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 6], ids=["causal", "sliding_window"])
+def test_every_backend_equals_the_dense_mask_on_cuda(backend, dtype, tolerance, window):
+    """varlen is FlashAttention (bf16/fp16 only): compared in bf16, against the mask in fp32."""
+    documents = DocumentBoundaries.from_segments(ragged_segments(3, 256)).to("cuda")
+    tensors = qkv((3, 4, 256, 32), 2, dtype, "cuda")
+    reference = outputs_and_grads(lambda *t: attention.attend(*(x.float() for x in t), documents.using("mask"),
+                                                              window=window), tensors)
+    ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using(backend), window=window), tensors)
+    assert_close(ours, reference, tolerance, backend)
+
+
+# -- the built-in GPT --------------------------------------------------------------------------------------
+
+
+def packed_gpt(dtype, backend, device="cpu"):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=4, n_embd=32)).to(device, dtype)
+    model.attention_backend = backend
+    return model
+
+
+def gpt_outputs(model, batch, targets):
+    logits = model(**batch)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), targets.flatten().to(logits.device),
+                                             ignore_index=-100, reduction="sum")
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return [logits.detach(), *grads]
+
+
+def assert_all_close(ours, reference, tolerance, what):
+    for index, (a, b) in enumerate(zip(ours, reference)):
+        scale = b.abs().max().clamp_min(1e-30)
+        worst = float((a.double() - b.double()).abs().max() / scale)
+        assert worst <= tolerance, f"{what}: tensor {index} ({'logits' if index == 0 else 'grad'}) differs by {worst:.3g}"
+
+
+def test_gpt_gather_equals_the_dense_mask_in_fp64_forward_and_gradients():
+    batch, targets = packed_microbatch()
+    reference = gpt_outputs(packed_gpt(torch.float64, "mask"), batch, targets)
+    assert_all_close(gpt_outputs(packed_gpt(torch.float64, "gather"), batch, targets), reference, 1e-9, "gather")
+    checkpointed = packed_gpt(torch.float64, "gather")
+    checkpointed.activation_checkpointing = True  # the boundaries pass through non-reentrant checkpointing
+    assert_all_close(gpt_outputs(checkpointed, batch, targets), reference, 1e-9, "gather, activation checkpointing")
+    only_segments = {key: value for key, value in batch.items() if key != "documents"}  # the old contract
+    assert_all_close(gpt_outputs(packed_gpt(torch.float64, "gather"), only_segments, targets), reference, 1e-9,
+                     "segments alone (dense reference)")
+
+
+def test_gpt_gather_equals_the_dense_mask_in_fp32():
+    batch, targets = packed_microbatch(seed=1)
+    reference = gpt_outputs(packed_gpt(torch.float64, "mask"), batch, targets)
+    assert_all_close(gpt_outputs(packed_gpt(torch.float32, "gather"), batch, targets), reference, 1e-5, "gather fp32")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["gather", "flex", "varlen"])
+def test_gpt_every_backend_equals_the_dense_mask_on_cuda(backend):
+    batch, targets = packed_microbatch(rows=4, seed=2)
+    on_cuda = {key: value.to("cuda") for key, value in batch.items()}
+    reference = gpt_outputs(packed_gpt(torch.float32, "mask", "cuda"), on_cuda, targets)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=backend == "varlen"):
+        ours = gpt_outputs(packed_gpt(torch.float32, backend, "cuda"), on_cuda, targets)
+    assert_all_close(ours, reference, 3e-2 if backend == "varlen" else 1e-5, backend)
+
+
+# -- model=hf ----------------------------------------------------------------------------------------------
+
+
+def hf_model(tmp_path, kind="llama", attn_implementation="sdpa", **extra):
+    """A tiny model saved with random weights (no hub), loaded as model=hf loads model.path."""
+    transformers = import_optional("transformers")
+    from ddptrain.models import hf
+
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+    config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
+    path = tmp_path / kind
+    if not path.exists():
+        torch.manual_seed(0)
+        model_class(config).save_pretrained(path)
+    return hf.load_causal_lm(str(path), attn_implementation, VOCAB).double()
+
+
+def hf_outputs(model, batch, targets):
+    logits = model(**batch).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                             reduction="sum")
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    return [logits.detach(), *grads]
+
+
+def test_llama_through_model_hf_gather_equals_the_dense_mask_in_fp64(tmp_path):
+    from ddptrain.models import hf
+
+    batch, targets = packed_microbatch()
+    model = hf_model(tmp_path)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads, "grouped-query attention"
+    reference = hf_outputs(model, batch, targets)  # load_causal_lm starts on the dense mask
+    hf.use_packed_attention(model, "gather")
+    assert model.config._attn_implementation == hf.PACKED_ATTENTION
+    assert_all_close(hf_outputs(model, batch, targets), reference, 1e-9, "llama gather")
+    assert "attn_implementation" not in str(model.config.to_dict()), "final/'s config.json names no ddptrain attention"
+    # Unpacked rows, a padding mask included, are exactly attn_implementation=sdpa's.
+    sdpa = hf_model(tmp_path)
+    ids, padding = batch["idx"][:2], torch.ones_like(batch["idx"][:2])
+    padding[0, :7] = 0
+    with torch.no_grad():
+        for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": padding}):
+            assert torch.equal(model(**kwargs).logits, sdpa(**kwargs).logits), kwargs.keys()
+
+
+def test_a_sliding_window_model_computes_each_document_as_if_alone(tmp_path):
+    """Mistral with a window of 4 tokens, documents far longer: every backend keeps the window."""
+    from ddptrain.models import hf
+
+    batch, _ = packed_microbatch(rows=2, seed=3)
+    model = hf_model(tmp_path, "mistral", sliding_window=4).eval()
+    alone = hf_model(tmp_path, "mistral", sliding_window=4).eval()  # transformers' own sdpa and window mask
+    segments, ids, positions = batch["segments"], batch["idx"], batch["positions"]
+    with torch.no_grad():
+        expected = torch.zeros(*ids.shape, VOCAB, dtype=torch.float64)
+        for row in range(ids.size(0)):
+            for segment in segments[row].unique():
+                where = segments[row] == segment
+                expected[row, where] = alone(ids[row, where][None]).logits[0]
+        for backend in ("gather", "mask"):
+            hf.use_packed_attention(model, backend)
+            logits = model(**batch).logits
+            assert float((logits - expected).abs().max()) <= 1e-9, backend
+
+
+def test_the_probe_falls_back_to_the_mask_or_refuses(tmp_path, monkeypatch, caplog):
+    from ddptrain.models.adapters import HFAdapter
+
+    model = hf_model(tmp_path)
+    assert HFAdapter().use_attention(model, "gather", forced=True) == "gather"
+    leak = lambda q, k, v, documents, *args, **kwargs: attention.causal(q, k, v)  # attends across documents
+    monkeypatch.setattr(attention, "attend", leak)
+    with pytest.raises(ModelError, match=r"trainer.attention=gather: LlamaForCausalLM cannot run it \(logits "
+                                         r"differ by .* from each document alone\); use trainer.attention=auto or mask"):
+        HFAdapter().use_attention(model, "gather", forced=True)
+    with caplog.at_level("WARNING"):
+        assert HFAdapter().use_attention(model, "gather", forced=False) == "mask"
+    assert "packed attention falls back to the dense mask: LlamaForCausalLM: logits differ" in caplog.text
+    HFAdapter().check_model(model, {"path": "x"}, SEQ, pack=True)  # the mask keeps documents apart
+
+    eager = hf_model(tmp_path, attn_implementation="eager")
+    with pytest.raises(ModelError, match="model.attn_implementation=eager keeps transformers' own attention"):
+        HFAdapter().use_attention(eager, "gather", forced=True)
+    assert HFAdapter().use_attention(eager, "gather", forced=False) == "mask"
+
+
+# -- `_target_` models ---------------------------------------------------------------------------------------
+
+
+class SegmentsOnly(torch.nn.Module):
+    """A `_target_` model of today's contract: positions= and segments=, no boundaries."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = packed_gpt(torch.float64, "mask")
+
+    def forward(self, idx, positions=None, segments=None):
+        return self.gpt(idx, positions=positions, segments=segments)
+
+
+def test_target_models_keep_positions_and_segments_or_take_the_boundaries():
+    from ddptrain.models.adapters import CustomAdapter
+
+    batch, targets = packed_microbatch()
+    reference = gpt_outputs(packed_gpt(torch.float64, "mask"), batch, targets)
+    own = SegmentsOnly()
+    assert CustomAdapter("x").use_attention(own, "gather", forced=False).startswith("the model's own")
+    assert_all_close(gpt_outputs(own, batch, targets), reference, 1e-9, "positions= and segments= only")
+    takes = packed_gpt(torch.float64, "mask")  # forward(documents=...): the hook sets the backend
+    assert CustomAdapter("x").use_attention(takes, "gather", forced=False) == "gather"
+    seen = []
+    takes.blocks[0].attn.register_forward_pre_hook(lambda module, args: seen.append(args[1].backend))
+    assert_all_close(gpt_outputs(takes, batch, targets), reference, 1e-9, "documents=")
+    assert seen == ["gather"]
+
+
+# -- choosing a backend ------------------------------------------------------------------------------------
+
+
+def test_auto_picks_by_device_and_precision_and_a_missing_backend_is_refused():
+    assert attention.select_backend("auto", "cpu", "fp32") == "gather"
+    assert attention.select_backend("auto", "cpu", "fp64") == "gather"
+    assert attention.select_backend("auto", "cuda", "bf16") == "varlen"
+    assert attention.select_backend("auto", "cuda", "fp32") == "gather"
+    assert attention.select_backend("flex", "cuda", "fp32") == "flex"
+    assert attention.select_backend("mask", "cpu", "fp64") == "mask"
+    with pytest.raises(attention.AttentionError, match=r"trainer.attention=flex needs cuda and trainer.precision "
+                                                       r"fp32 \| bf16 \| fp16 \(FlexAttention has no backward on CPU "
+                                                       r"in torch 2.13.*this run has cpu and fp32"):
+        attention.select_backend("flex", "cpu", "fp32")
+    with pytest.raises(attention.AttentionError, match=r"trainer.attention=varlen needs cuda and trainer.precision "
+                                                       r"bf16 \| fp16 .*this run has cuda and fp32"):
+        attention.select_backend("varlen", "cuda", "fp32")
+
+
+def _validate(*overrides):
+    from ddptrain.config import compose_config
+    from ddptrain.config.validation import validate
+
+    return validate(compose_config(list(overrides)), 1)
+
+
+def test_trainer_attention_is_validated_before_the_process_group():
+    _validate("trainer.attention=gather", "batch.pack=true")
+    with pytest.raises(ConfigError, match="trainer.attention='dense' is not one of auto, gather, varlen, flex, mask"):
+        _validate("trainer.attention=dense")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"trainer.attention=varlen needs cuda .*this run has cpu and fp32: "
+                                              "use trainer.attention=auto, gather or mask"):
+            _validate("trainer.attention=varlen", "batch.pack=true")
+    with pytest.raises(ConfigError, match="model.attention is not a config key"):
+        _validate("+model.attention=gather")
+
+
+# -- no host sync ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["gather", "mask"])
+def test_a_packed_step_reads_nothing_back_from_the_device(backend):
+    from tests.test_host_syncs import host_syncs
+
+    model = packed_gpt(torch.float32, backend)
+    engine = ddptrain.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "ddp")
+    steps = [[packed_microbatch(2, seed), packed_microbatch(1, seed + 9)] for seed in range(3)]
+    engine.step(steps[0])
+    with host_syncs() as calls:
+        for microbatches in steps[1:]:
+            engine.step(microbatches)
+    assert calls == [], f"host syncs in packed steps: {calls}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["gather", "varlen", "flex"])
+def test_a_packed_step_makes_no_host_sync_on_cuda(backend):
+    from tests.test_host_syncs import device_syncs
+
+    model = packed_gpt(torch.float32, backend, "cuda")
+    engine = ddptrain.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "ddp",
+                             precision="bf16" if backend == "varlen" else "fp32", device=torch.device("cuda"))
+    pin = lambda mb: ({k: v.pin_memory() for k, v in mb[0].items()}, mb[1].pin_memory())
+    steps = [[pin(packed_microbatch(2, seed)), pin(packed_microbatch(1, seed + 9))] for seed in range(4)]
+    engine.step(steps[0])
+    engine.step(steps[1])  # flex: the compiled kernel's first shapes
+    with device_syncs() as calls:
+        for microbatches in steps[2:]:
+            engine.step(microbatches)
+    assert calls == [], f"host syncs in packed steps on CUDA ({backend}): {calls}"
+
+
+def test_attention_dropout_keeps_gather_or_is_refused_for_varlen_and_flex():
+    from ddptrain.models.adapters import GPTAdapter
+
+    model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=1, n_head=2, n_embd=16, dropout=0.1))
+    assert GPTAdapter().use_attention(model, "varlen", forced=False) == "gather" == model.attention_backend
+    with pytest.raises(ModelError, match="trainer.attention=flex has no attention dropout, and the model's is 0.1"):
+        GPTAdapter().use_attention(model, "flex", forced=True)
+
+
+def test_gather_of_one_document_per_row_is_causal_attention_over_the_rows():
+    documents = DocumentBoundaries.from_segments(np.zeros((2, 64), dtype=np.int64))
+    assert documents.rows_are_documents
+    tensors = qkv((2, 4, 64, 8), 2, torch.float64)
+    reference = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("mask"), window=5), tensors)
+    ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("gather"), window=5), tensors)
+    assert_close(ours, reference, 1e-9, "gather, whole rows")
+
+
+@pytest.mark.slow
+def test_gather_runs_under_compile_without_recompiling_per_microbatch():
+    """trainer.compile compiles each block; the gather (data-dependent shapes) runs eagerly between
+    graphs, so new document layouts of the same (B, T) reuse the graphs."""
+    from ddptrain.models.compiling import compile_model
+
+    torch._dynamo.reset()
+    model = compile_model(packed_gpt(torch.float32, "gather"))
+    eager = packed_gpt(torch.float32, "gather")
+    microbatches = [packed_microbatch(rows=2, seed=seed) for seed in range(5)]
+    for batch, targets in microbatches[:2]:  # the first graphs (and, at most, one dynamic-shape recompile)
+        gpt_outputs(model, batch, targets)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch, targets in microbatches[2:]:
+            assert_all_close(gpt_outputs(model, batch, targets), gpt_outputs(eager, batch, targets), 1e-4, "compiled")
+
+
+def test_a_filler_cut_of_the_boundaries_is_one_document_per_token():
+    """The Engine's fillers (ranks with fewer microbatches, zero2/zero3/fsdp) cut every input to [:1, :1]."""
+    batch, _ = packed_microbatch()
+    one = batch["documents"][:1, :1]
+    assert one.rows_are_documents and one.max_length == 1 and one.cu_seqlens.tolist() == [0, 1]
+    model = packed_gpt(torch.float64, "gather")
+    cut = {key: value[:1, :1] for key, value in batch.items()}
+    assert torch.allclose(model(**cut), model(batch["idx"][:1, :1]), atol=1e-12)
+    with pytest.raises(TypeError, match=r"can be cut to one token per row \(\[rows, :1\]\)"):
+        batch["documents"][:, :2]
