@@ -14,7 +14,8 @@ import torch
 
 import ddptrain
 from ddptrain.testing import record_collectives, run_distributed
-from ddptrain.train.plan import Layout, count_model, meta_device, parse_bytes, plan_strategies
+from ddptrain.train.plan import Layout, count_model, formula_activation_bytes, meta_device, parse_bytes, plan_strategies
+from ddptrain.models import GPT, GPTConfig
 from tests.helpers import REPO, SEQ, VOCAB, microbatch, tiny_gpt
 
 GPT2_SMALL = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "data.vocab_size=50304",
@@ -70,6 +71,10 @@ def test_measured_activations_follow_checkpointing_and_precision():
     plain, checkpointed, bf16 = counts("fp32", False), counts("fp32", True), counts("bf16", False)
     assert plain.how == checkpointed.how == bf16.how == "measured"
     assert 0 < checkpointed.bytes < plain.bytes and 0 < bf16.bytes < plain.bytes
+    with meta_device():  # the formula, where the meta forward cannot run; 4 blocks, one recomputed at a time
+        model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=4, n_head=2, n_embd=16))
+    assert 0 < formula_activation_bytes(model, 4, SEQ, "fp32", VOCAB, checkpointed=True) < \
+        formula_activation_bytes(model, 4, SEQ, "fp32", VOCAB)
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("50GB/s") == 50e9
 
 
@@ -113,7 +118,8 @@ def test_plan_payloads_equal_those_counted_on_gloo_ranks(world_size):
     counts = count_model(model, {"Block"}, 2, SEQ, "fp64", VOCAB)
     for (strategy, replicate, accumulation), recorded in zip(CASES, measured):
         layout = Layout(world_size=world_size, ranks_per_node=world_size // replicate, replicate=replicate,
-                        micro_batch_size=2, seq_len=SEQ, grad_accum_steps=accumulation, precision="fp64", optimizer="sgd")
+                        micro_batch_size=2, seq_len=SEQ, grad_accum_steps=accumulation, precision="fp64",
+                        optimizer="sgd")
         name = "hsdp" if replicate > 1 else strategy
         plan = next(p for p in plan_strategies(counts, layout) if p.name == name)
         planned: dict = {}

@@ -141,7 +141,7 @@ class Layout:
 
 
 def count_model(model: nn.Module, blocks: set[str], micro_batch_size: int, seq_len: int, precision: str,
-                vocab_size: int) -> ModelCounts:
+                vocab_size: int, checkpointed: bool = False) -> ModelCounts:
     """Parameter counts and one microbatch's activations of a model built on the meta device."""
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -153,8 +153,8 @@ def count_model(model: nn.Module, blocks: set[str], micro_batch_size: int, seq_l
                              "measured")
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
         # an op without a meta kernel, or a data-dependent check (transformers' masks call .item()): the formula
-        activations = Figure(formula_activation_bytes(model, micro_batch_size, seq_len, precision, vocab_size),
-                             "computed")
+        activations = Figure(formula_activation_bytes(model, micro_batch_size, seq_len, precision, vocab_size,
+                                                      checkpointed), "computed")
         note = f"activations from the formula: the meta forward failed ({str(error).splitlines()[0][:120]})"
     return ModelCounts(parameters, trainable, largest, activations, note)
 
@@ -182,16 +182,19 @@ def saved_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int
 
 
 def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int, precision: str,
-                             vocab_size: int) -> float:
-    """Korthikanti et al. 2022: 34·B·T·d + 5·B·h·T² bytes per layer at 2 bytes per value, plus the logits."""
-    config = getattr(model, "config", None)
+                             vocab_size: int, checkpointed: bool = False) -> float:
+    """Korthikanti et al. 2022: 34·B·T·d + 5·B·h·T² bytes per layer at 2 bytes per value, plus the
+    logits; with activation checkpointing, each block keeps its input (2·B·T·d) and one block's
+    activations live at a time (the paper's full recomputation)."""
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)  # transformers' | the built-in GPT's
     width = getattr(config, "n_embd", None) or getattr(config, "hidden_size", 0)
     layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
     heads = getattr(config, "n_head", None) or getattr(config, "num_attention_heads", 1)
     scale = BYTES_PER_VALUE.get(precision, 4) / 2 if precision != "bf16" else 1.0
     b, t = micro_batch_size, seq_len
     per_layer = 34 * b * t * width + 5 * b * heads * t * t
-    return layers * per_layer * scale + 2 * b * t * vocab_size * BYTES_PER_VALUE.get(precision, 4)
+    blocks = layers * 2 * b * t * width + per_layer if checkpointed else layers * per_layer
+    return blocks * scale + 2 * b * t * vocab_size * BYTES_PER_VALUE.get(precision, 4)
 
 
 # -- the strategies ---------------------------------------------------------------------------------
@@ -388,5 +391,5 @@ def plan_for_config(cfg, world_size: int, ranks_per_node: int | None = None) -> 
                     reshard_after_forward=bool(options.get("reshard_after_forward", True)),
                     deepspeed=dict(options.get("deepspeed", {}) or {}))
     counts = count_model(model, block_class_names(model), batch.micro_size, batch.seq_len, cfg.trainer.precision,
-                         vocab_size)
+                         vocab_size, checkpointed=bool(cfg.trainer.activation_checkpointing))
     return plan_strategies(counts, layout), counts, layout
