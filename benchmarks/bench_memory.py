@@ -1,4 +1,4 @@
-"""Per-rank memory of ddp vs zero1, zero2, zero3 and fsdp on the same model: `python -m benchmarks.bench_memory`.
+"""Per-rank memory of ddp vs zero1, zero2, zero3, fsdp and HSDP on the same model: `python -m benchmarks.bench_memory`.
 
 Two gloo ranks on the CPU (or GPUs when present) each build the same GPT, take one AdamW step
 with every strategy in turn, and count the bytes this rank holds for the model's weights (ZeRO-3:
@@ -6,7 +6,12 @@ its partitions; FSDP: its DTensor shards), its gradients at the end of the step,
 optimizer state (Adam's exp_avg and exp_avg_sq). ZeRO-1 should hold
 about 1/world_size of DDP's optimizer state, ZeRO-3 also about 1/world_size of the weights.
 (ZeRO-2's gradient partitioning lives in DeepSpeed's internal buffers and is not counted here.)
-Needs DeepSpeed for the zero rows.
+Needs DeepSpeed for the zero rows. The `hsdp` row is fsdp with strategy.replicate=2 (2 replicas x
+world/2 shards: run with --world-size 4 for a 2x2 mesh).
+
+Beside each measured figure, `plan` is what `python -m ddptrain.plan` computes for the same model
+and layout (ddptrain/train/plan.py), and `act` the plan's activations of one microbatch beside the
+bytes autograd saved on a real rank (saved-tensor hooks over the same forward).
 
 With `--lora-r R` (default 8; 0: none) every strategy also gets a `+lora` row: peft's LoRA of rank R
 on the same GPT's attention and MLP projections (what model.lora's `all-linear` adapts in a
@@ -20,7 +25,8 @@ import argparse
 
 import torch
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+MICRO_BATCH_SIZE = 2
 
 
 def _local(tensor):
@@ -53,12 +59,16 @@ def _measure(row: str, n_layer: int, n_embd: int, seq_len: int, lora_r: int) -> 
     from ddptrain.models import GPT, GPTConfig
 
     strategy = row.removesuffix(LORA_SUFFIX)
+    replicate = 2 if strategy == "hsdp" else 1
+    strategy = "fsdp" if strategy == "hsdp" else strategy
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, max_seq_len=seq_len, n_layer=n_layer, n_head=4, n_embd=n_embd))
     if row.endswith(LORA_SUFFIX):
         model = _lora(model, lora_r)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    options = {"micro_batch_size": 2, "grad_accum_steps": 1} if strategy.startswith("zero") else {}
+    options = {"micro_batch_size": MICRO_BATCH_SIZE, "grad_accum_steps": 1} if strategy.startswith("zero") else {}
+    if strategy == "fsdp":
+        options = {"replicate": replicate}
     engine = ddptrain.Engine(model, optimizer, strategy, strategy_options=options)
     module = getattr(engine.model, "module", engine.model)  # DDP and DeepSpeed wrap; FSDP2 shards in place
     gradients = []
@@ -70,8 +80,16 @@ def _measure(row: str, n_layer: int, n_embd: int, seq_len: int, lora_r: int) -> 
 
     engine.strategy.zero_grad = count_then_zero
     gen = torch.Generator().manual_seed(ddptrain.get_rank())
-    tokens = torch.randint(0, 256, (2, seq_len + 1), generator=gen)
-    engine.step([(tokens[:, :-1], tokens[:, 1:])])  # Adam creates its state on the first step
+    tokens = torch.randint(0, 256, (MICRO_BATCH_SIZE, seq_len + 1), generator=gen)
+    saved = [0]
+
+    def pack(tensor):  # what autograd keeps for backward, parameters left out (as the plan counts)
+        if not isinstance(tensor if tensor._base is None else tensor._base, torch.nn.Parameter):
+            saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        engine.step([(tokens[:, :-1], tokens[:, 1:])])  # Adam creates its state on the first step
     optimizer = engine.strategy.optimizer  # the torch AdamW (ZeRO hands it its flat partitions)
     state = _tensor_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     weights = _tensor_bytes(p for p in module.parameters())
@@ -80,7 +98,7 @@ def _measure(row: str, n_layer: int, n_embd: int, seq_len: int, lora_r: int) -> 
     counts = [(p.ds_numel if hasattr(p, "ds_numel") else _numel(p), p.requires_grad) for p in module.parameters()]
     return {"strategy": row, "rank": ddptrain.get_rank(), "optimizer_state": state, "weights": weights,
             "gradients": grads, "parameters": sum(n for n, _ in counts),
-            "trainable": sum(n for n, trains in counts if trains)}
+            "trainable": sum(n for n, trains in counts if trains), "activations": saved[0]}
 
 
 def _numel(param) -> int:
@@ -91,6 +109,25 @@ def _numel(param) -> int:
 
 def _measure_all(rows: tuple[str, ...], n_layer: int, n_embd: int, seq_len: int, lora_r: int) -> list[dict]:
     return [_measure(name, n_layer, n_embd, seq_len, lora_r) for name in rows]
+
+
+def _plan(row: str, args):
+    """The plan's figures for this row's model and strategy (ddptrain/train/plan.py), on the meta device."""
+    from ddptrain.models import GPT, GPTConfig
+    from ddptrain.train.plan import Layout, count_model, meta_device, plan_strategies
+
+    with meta_device():
+        model = GPT(GPTConfig(vocab_size=256, max_seq_len=args.seq_len, n_layer=args.n_layer, n_head=4,
+                              n_embd=args.n_embd))
+        if row.endswith(LORA_SUFFIX):
+            model = _lora(model, args.lora_r)
+    strategy = row.removesuffix(LORA_SUFFIX)
+    hsdp = strategy == "hsdp"
+    layout = Layout(world_size=args.world_size, ranks_per_node=args.world_size // 2 if hsdp else args.world_size,
+                    replicate=2 if hsdp else 1, micro_batch_size=MICRO_BATCH_SIZE, seq_len=args.seq_len,
+                    grad_accum_steps=1, precision="fp32", optimizer="adamw")
+    counts = count_model(model, {"Block"}, MICRO_BATCH_SIZE, args.seq_len, "fp32", 256)
+    return next(plan for plan in plan_strategies(counts, layout) if plan.name == strategy)
 
 
 def _mib(count: int) -> str:
@@ -113,24 +150,29 @@ def main(argv: list[str] | None = None) -> None:
     rows = strategies + (tuple(name + LORA_SUFFIX for name in strategies) if args.lora_r > 0 else ())
     results = run_distributed(_measure_all, args.world_size, rows, args.n_layer, args.n_embd, args.seq_len,
                               args.lora_r, timeout_s=900)
-    ddp = {r: rows[0] for r, rows in enumerate(results)} if strategies[0] == "ddp" else None
+    plans = {row: _plan(row, args) for row in rows}
     print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd}: {results[0][0]['parameters']:,} parameters (fp32), "
-          f"AdamW, {args.world_size} ranks; MiB held per rank")
-    print(f"{'strategy':10} {'rank':>4} {'weights':>9} {'vs ddp':>7} {'grads':>9} {'vs ddp':>7} "
-          f"{'opt state':>10} {'vs ddp':>7}")
+          f"AdamW, {args.world_size} ranks, micro {MICRO_BATCH_SIZE} x seq {args.seq_len}; MiB held per rank, "
+          "measured | plan (python -m ddptrain.plan)")
+    print(f"{'strategy':11} {'rank':>4} {'weights':>9} {'vs ddp':>7} {'plan':>9} {'grads':>9} {'vs ddp':>7} "
+          f"{'plan':>9} {'opt state':>10} {'vs ddp':>7} {'plan':>9} {'act':>9} {'plan':>9}")
+    ddp = {rank: rows_of_rank[0] for rank, rows_of_rank in enumerate(results)} if strategies[0] == "ddp" else None
 
     def ratio(row, rank, key):
         if not ddp or row[key] is None or not ddp[rank][key]:
             return "      -"
         return f"{row[key] / ddp[rank][key]:7.2f}"
 
-    for rank, rows in enumerate(results):
-        for row in rows:
+    for rank, rows_of_rank in enumerate(results):
+        for row in rows_of_rank:
+            plan = plans[row["strategy"]]
             grads = _mib(row["gradients"]) if row["gradients"] is not None else "      n/a"
-            print(f"{row['strategy']:10} {rank:>4} {_mib(row['weights']):>9} {ratio(row, rank, 'weights')} "
-                  f"{grads:>9} {ratio(row, rank, 'gradients')} {_mib(row['optimizer_state']):>10} "
-                  f"{ratio(row, rank, 'optimizer_state')}")
-    print("n/a: DeepSpeed keeps gradient partitions in its internal buffers, not in .grad")
+            print(f"{row['strategy']:11} {rank:>4} {_mib(row['weights'])} {ratio(row, rank, 'weights')} "
+                  f"{_mib(plan.weights.bytes)} {grads} {ratio(row, rank, 'gradients')} {_mib(plan.gradients.bytes)} "
+                  f"{_mib(row['optimizer_state']):>10} {ratio(row, rank, 'optimizer_state')} "
+                  f"{_mib(plan.optimizer_state.bytes)} {_mib(row['activations'])} {_mib(plan.activations.bytes)}")
+    print("n/a: DeepSpeed keeps gradient partitions in its internal buffers, not in .grad; hsdp: fsdp with "
+          f"strategy.replicate=2 ({2} x {args.world_size // 2})")
     lora = next((row for row in results[0] if row["strategy"].endswith(LORA_SUFFIX)), None)
     if lora is not None:
         print(f"+lora: peft LoRA r={args.lora_r} on {', '.join(GPT_LINEAR)}; {lora['trainable']:,} of "

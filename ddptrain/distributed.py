@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,34 @@ def env_world_size() -> int:
 
 def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def env_node_count() -> int:
+    """Nodes in the launch: torchrun's GROUP_WORLD_SIZE (agents, one per node), else WORLD_SIZE over
+    LOCAL_WORLD_SIZE; 1 outside a launcher."""
+    if "GROUP_WORLD_SIZE" in os.environ:
+        return int(os.environ["GROUP_WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(env_world_size())))
+    return max(1, env_world_size() // max(1, local))
+
+
+def replicate_degree(replicate: int | str, world_size: int) -> int:
+    """The replicas of an HSDP mesh: `replicate` itself, or the number of nodes for "auto"; a
+    ValueError naming the numbers when it does not divide the world."""
+    degree = env_node_count() if replicate == "auto" else replicate
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1 or world_size % degree:
+        raise ValueError(f"strategy.replicate={replicate!r} ({degree} replicas) must be a positive divisor of the "
+                         f"world size {world_size} (a mesh of replicas x shards), or auto (the number of nodes)")
+    return degree
+
+
+def device_mesh(device_type: str, replicate: int = 1):
+    """The world as a device mesh: 1-D ("shard") when `replicate` is 1, else 2-D ("replicate",
+    "shard"), R replicas x world/R shards; consecutive ranks (one node's) share a replica."""
+    world = get_world_size()
+    if replicate == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
 
 
 def is_distributed() -> bool:

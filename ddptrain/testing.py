@@ -7,6 +7,7 @@ destroys it in `finally`. No private torch.testing._internal APIs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import os
@@ -91,3 +92,56 @@ def _to_bytes(value: Any) -> bytes:
 
 def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+               "reduce_scatter_single", "broadcast")
+"""The torch.distributed calls `record_collectives` counts (FSDP2 calls the `_single` ones)."""
+
+
+@contextlib.contextmanager
+def record_collectives():
+    """Within the block, every call of COLLECTIVES (the library's own, DDP's and FSDP's included)
+    appends {"name", "bytes", "group_size", "op"} to the list yielded: the payload is the full
+    tensor (an all-gather's output, a reduce-scatter's input). Calls made inside another recorded
+    call count once. One process's view: each rank records its own calls."""
+    import torch.distributed as dist
+
+    calls: list[dict] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    depth = [0]
+
+    def wrap(name: str, original: Callable) -> Callable:
+        def recorded(*args, **kwargs):
+            if depth[0] == 0:
+                tensor = _payload(name, args, kwargs)
+                group = kwargs.get("group")
+                calls.append({"name": name, "bytes": tensor.numel() * tensor.element_size(),
+                              "group_size": dist.get_world_size(group), "op": _op(name, args, kwargs)})
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return recorded
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _payload(name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    if name.startswith("reduce_scatter"):
+        return kwargs.get("input", args[1] if len(args) > 1 else None)
+    if name.startswith("all_gather"):
+        return kwargs.get("output_tensor", kwargs.get("output", args[0] if args else None))
+    return kwargs.get("tensor", args[0] if args else None)
+
+
+def _op(name: str, args: tuple, kwargs: dict) -> str:
+    op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
+    return "" if name.startswith("all_gather") or name == "broadcast" else str(op or "SUM").rpartition(".")[2]

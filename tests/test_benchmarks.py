@@ -47,6 +47,13 @@ def test_memory_benchmark_compares_ddp_and_zero1():
     assert [row[:2] for row in rows] == [["ddp", "0"], ["zero1", "0"], ["ddp", "1"], ["zero1", "1"]], out
     ratio = columns.index("opt state") + 1
     assert float(rows[1][ratio]) == pytest.approx(0.5, abs=0.05), "zero1 holds about half of ddp's optimizer state"
+    # the memory plan (python -m ddptrain.plan) beside each measured figure: within 10% (activations 25%)
+    for row in rows:
+        for measured, tolerance in (("weights", 0.1), ("opt state", 0.1), ("act", 0.25)):
+            at = columns.index(measured)
+            plan = at + 1 if measured == "act" else at + 2  # after its "vs ddp", where there is one
+            assert columns[plan] == "plan", columns
+            assert float(row[plan]) == pytest.approx(float(row[at]), rel=tolerance), (row, measured)
     lora = [line.split() for line in lines if line.startswith(("ddp+lora ", "zero1+lora "))]
     assert [row[:2] for row in lora] == [["ddp+lora", "0"], ["zero1+lora", "0"], ["ddp+lora", "1"], ["zero1+lora", "1"]]
     assert float(lora[0][ratio]) < 0.5 and float(lora[1][ratio]) < float(lora[0][ratio]), \

@@ -152,6 +152,7 @@ def test_two_ranks_rank0_prints_progress_and_rank1_only_warnings(tmp_path):
 
     rank0, rank1 = output(0), output(1)
     assert "world: 2 rank(s)" in rank0 and "strategy: ddp" in rank0 and "run dir:" in rank0
+    assert "memory plan: " in rank0 and "] hsdp 1x2 " in rank0 and "pick" not in rank0  # CPU: no device memory, no pick
     assert "step 2/4 (50%)" in rank0 and "step 4/4 (100%)" in rank0 and "ETA" in rank0
     noisy = [line for line in rank1.splitlines()
              if line.strip() and not any(word in line.lower() for word in ("warn", "error"))]

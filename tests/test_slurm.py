@@ -157,7 +157,9 @@ def test_local_cluster_refuses_a_controller_that_is_not_its_own(slurm_env, tmp_p
 )
 def test_template_trains_to_max_steps(slurm_env, tmp_path, template, nproc_per_node, nodes):
     run_dir = tmp_path / "run"
-    job_id = submit(template, [f"run.dir={run_dir}"] + TINY_RUN, tmp_path, slurm_env,
+    # Two nodes train with HSDP: replicate=auto is the number of nodes, so a 2 x 1 mesh
+    hsdp = ["strategy=fsdp", "strategy.replicate=auto"] if nodes > 1 else []
+    job_id = submit(template, [f"run.dir={run_dir}"] + TINY_RUN + hsdp, tmp_path, slurm_env,
                     {"DDPTRAIN_NPROC_PER_NODE": nproc_per_node})
     fields = wait_for_job(job_id, slurm_env, timeout=120)
     output = job_output(tmp_path)
@@ -172,6 +174,8 @@ def test_template_trains_to_max_steps(slurm_env, tmp_path, template, nproc_per_n
         assert "(node1 node2)" in output, output
         node_logs = sorted(p.name for p in (tmp_path / "logs").glob(f"*-{job_id}.node*.log"))
         assert node_logs == [f"{fields['JobName']}-{job_id}.node{i}.log" for i in range(nodes)]
+        first_node = (tmp_path / "logs" / node_logs[0]).read_text()
+        assert "HSDP mesh of 2 replicas x 1 shards" in first_node, first_node[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ library API (`ddptrain.Engine`) can read it without pulling in the config machin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
 """trainer.precision: fp32 and fp64 weights and math; bf16 and fp16 autocast over fp32 weights (fp16 with
@@ -88,6 +89,9 @@ class FSDPOptions:
     """Free gathered weights after each forward (less memory, one more all-gather in backward)."""
     shard_modules: list = field(default_factory=list)
     """Class names to shard as units (default: the model's transformer blocks)."""
+    replicate: Any = 1
+    """HSDP: replicas R of a 2-D mesh (R x world/R shards, replicated across, sharded within), or auto
+    (the number of nodes); 1 shards over the whole world."""
 
 
 @dataclass(frozen=True)

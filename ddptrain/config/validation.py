@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddptrain.config import choices
 from ddptrain.config.schema import MODEL_SCHEMAS, ConfigError, TrainConfig
+from ddptrain.distributed import replicate_degree
 
 _CHOICES = {
     "trainer.precision": choices.PRECISIONS,
@@ -98,7 +99,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"checkpoint.preempt_grace_s={cfg.checkpoint.preempt_grace_s!r} must be > 0")
     if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
         raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
-    _validate_strategy(cfg.strategy, cfg.trainer.precision)
+    _validate_strategy(cfg.strategy, cfg.trainer.precision, world_size)
     _validate_attention(cfg.trainer)
     _validate_model(cfg.model)
     if not 0 <= cfg.objective.label_smoothing < 1:
@@ -178,7 +179,7 @@ def _validate_model(model: Any) -> None:
     schema.check(typed)
 
 
-def _validate_strategy(strategy: Any, precision: str) -> None:
+def _validate_strategy(strategy: Any, precision: str, world_size: int) -> None:
     name = strategy.get("name")
     if name not in choices.STRATEGIES:
         raise ConfigError(f"strategy.name={name!r} is not one of {', '.join(choices.STRATEGY_NAMES)}")
@@ -195,6 +196,11 @@ def _validate_strategy(strategy: Any, precision: str) -> None:
     if precision not in choice.precisions:
         raise ConfigError(f"trainer.precision={precision} is not supported with strategy={name} (it supports "
                           f"{', '.join(choice.precisions)})")
+    if "replicate" in known:
+        try:  # the mesh must tile the world: R replicas x world/R shards
+            replicate_degree(options.get("replicate", 1), world_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def strategy_options(strategy: Any) -> dict:

@@ -41,7 +41,8 @@ class Engine:
         model: an nn.Module mapping inputs to logits aligned with targets, (B, T) -> (B, T, V).
         optimizer: a torch optimizer over `model`'s parameters (None if the strategy builds one).
         strategy: a name of ddptrain.strategies.STRATEGY_NAMES ("ddp", "zero1", "zero2", "zero3",
-            "fsdp"), or a Strategy instance.
+            "fsdp"), or a Strategy instance; `strategy_options` are its options, e.g.
+            {"replicate": 2} for HSDP (fsdp on 2 replicas x world/2 shards).
         grad_clip: clip the global gradient norm to this value after normalisation (None: no clip).
         lr_scheduler: stepped once per step, whether its update was applied or skipped (the
             schedule lives on the host; reading "applied" would wait for the device).

@@ -13,6 +13,13 @@ run fillers (the Engine does). The global gradient norm is computed from the sha
 torch.distributed.checkpoint directory): each rank writes its shards, and any strategy on any
 number of ranks resumes from it. Checkpoints from before the neutral layout were the same.
 
+HSDP (`replicate` R > 1, or "auto": the number of nodes): a 2-D mesh of R replicas x world/R
+shards (ddptrain.distributed.device_mesh), on which FSDP2 shards within a replica (one node's
+ranks) and all-reduces the reduce-scattered shards across replicas. Both collectives SUM (divide
+factor 1, forced SUM reduction), both are skipped on non-final microbatches
+(`set_requires_gradient_sync`), and the parameter all-gathers stay inside a node. Checkpoints are
+the same neutral layout: DCP reshards a 2-D mesh's DTensors to any other mesh or strategy.
+
 Frozen parameters (model.lora's base) are sharded like the others and get no gradient; a shard
 unit may mix frozen and trained ones (FSDP2 allows it). With `save_frozen` False, checkpoints
 leave them out (DCP's `ignore_frozen_params`): the adapter and its optimizer state only.
@@ -21,19 +28,21 @@ leave them out (DCP's `ignore_frozen_params`): the adapter and its optimizer sta
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddptrain.config.choices import FSDPOptions
-from ddptrain.distributed import backend_for, get_world_size, is_distributed
+from ddptrain.distributed import backend_for, device_mesh, get_world_size, is_distributed, replicate_degree
 from ddptrain.models.blocks import block_class_names
 from ddptrain.strategies.base import StepLayout, Strategy
+
+log = logging.getLogger(__name__)
 
 
 def default_shard_modules(model: nn.Module) -> set[str]:
@@ -52,9 +61,11 @@ class FSDPStrategy(Strategy):
     def from_config(cls, options: dict, layout: StepLayout) -> "FSDPStrategy":
         return cls(**options)
 
-    def __init__(self, reshard_after_forward: bool = True, shard_modules: list | tuple = ()):
+    def __init__(self, reshard_after_forward: bool = True, shard_modules: list | tuple = (), replicate: int | str = 1):
         self.reshard_after_forward = reshard_after_forward
         self.shard_modules = list(shard_modules)
+        self.replicate = replicate
+        self.mesh = None
         self.model = None
         self.optimizer = None
 
@@ -63,7 +74,11 @@ class FSDPStrategy(Strategy):
             raise ValueError("strategy 'fsdp' needs a torch optimizer; got optimizer=None")
         if not is_distributed():  # a world of one still gets a process group: fully_shard needs a mesh
             dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
-        mesh = init_device_mesh(device.type, (get_world_size(),))
+        replicas = replicate_degree(self.replicate, get_world_size())
+        mesh = device_mesh(device.type, replicas)
+        if replicas > 1:
+            log.info("fsdp: HSDP mesh of %d replicas x %d shards (sharded within a replica, replicated across)",
+                     replicas, get_world_size() // replicas)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.precision == "bf16" else MixedPrecisionPolicy()
         names = set(self.shard_modules) or default_shard_modules(model)
@@ -79,8 +94,9 @@ class FSDPStrategy(Strategy):
         for module in model.modules():  # SUM over ranks: the losses are already pieces of the global mean
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)  # per module: the setter does not recurse
-                # A plain SUM reduce-scatter: a divide factor otherwise becomes NCCL's PREMUL_SUM,
-                # which gloo lacks (and a factor of 1 needs no scaling at all).
+                # A plain SUM reduce-scatter (and, under HSDP, a SUM all-reduce over the replicas):
+                # a divide factor otherwise becomes NCCL's PREMUL_SUM, which gloo lacks, or AVG
+                # (torch's _get_gradient_divide_factors); a factor of 1 needs no scaling at all.
                 module.set_force_sum_reduction_for_comms(True)
         # fully_shard replaced the parameters by sharded DTensor parameters: the optimizer (built
         # before, with no state yet) must hold the new ones, in the same groups.
@@ -89,6 +105,7 @@ class FSDPStrategy(Strategy):
             group["params"] = [sharded[by_name[id(param)]] for param in group["params"]]
         self.model = model
         self.optimizer = optimizer
+        self.mesh = mesh
 
     def microbatch_context(self, is_last: bool) -> ContextManager:
         self.model.set_requires_gradient_sync(is_last)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ddptrain.distributed import DistInfo
+from ddptrain.distributed import DistInfo, is_rank_zero
 from ddptrain.models.spec import num_parameters
 from ddptrain.train.builder import Built, describe_layout
 from ddptrain.train.metrics import MetricsLogger
+from ddptrain.train.plan import format_plan, plan_for_config
 
 log = logging.getLogger(__name__)
 
@@ -44,5 +45,23 @@ def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, 
         targets, positions = train.targets_per_example(), int((train.lengths - 1).sum())
         log.info("targets per example: mean %.1f, min %d, max %d | %.1f%% of the %d input positions are targets",
                  targets.mean(), targets.min(), targets.max(), 100.0 * targets.sum() / positions, positions)
+    if is_rank_zero():
+        log_memory_plan(cfg, dist_info)
     log.info("run dir: %s | steps %d..%d | wandb %s%s", Path(cfg.run.dir).resolve(), step, cfg.trainer.max_steps,
              cfg.logger.wandb.mode, f" (run id {metrics.run_id})" if metrics.run_id else "")
+
+
+def log_memory_plan(cfg, dist_info: DistInfo) -> None:
+    """The memory plan of this config and world (`python -m ddptrain.plan`), built on the meta device.
+    A report, not the run: a model the meta device cannot build (a custom factory) gets a warning."""
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size))
+    memory = float(torch.cuda.get_device_properties(dist_info.device).total_memory) \
+        if dist_info.device.type == "cuda" else None
+    try:
+        with torch.random.fork_rng(devices=[]):  # the run's random stream stays untouched
+            plans, counts, layout = plan_for_config(cfg, dist_info.world_size, ranks_per_node)
+    except Exception as error:  # noqa: BLE001 - any failure of the report must leave training alone
+        log.warning("memory plan unavailable: %s: %s", type(error).__name__, error)
+        return
+    for line in format_plan(plans, counts, layout, memory, details=False).splitlines():
+        log.info("%s", line)
