@@ -336,7 +336,7 @@ def ddp_on_two_ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])  # zero1 shares zero2's code for frozen parameters
 def test_sharded_strategies_train_the_adapter_on_two_ranks_and_resume(tmp_path, strategy, ddp_on_two_ranks):
     if strategy.startswith("zero"):
         import_deepspeed()
@@ -346,8 +346,6 @@ def test_sharded_strategies_train_the_adapter_on_two_ranks_and_resume(tmp_path, 
         assert math.isclose(mine, ref, rel_tol=1e-5), (strategy, mine, ref)
     saved = _checkpoint_weights(run_dir, 2, strategy)
     assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved), sorted(saved)[:5]
-    if strategy == "zero1":
-        return  # its checkpoint is zero2's code path, resumed below
     # Resume from step 2's adapter-only checkpoint: the same last step as the run that went straight on.
     resumed = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed)
