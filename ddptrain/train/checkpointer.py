@@ -8,12 +8,12 @@ class decides when they run and keeps every rank in step with rank 0.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -26,7 +26,7 @@ from ddptrain.models.spec import ModelSpec
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.builder import decay_steps
 from ddptrain.train.faults import FaultInjector
-from ddptrain.train.final import SPEC_FILE, final_dir, save_final
+from ddptrain.train.final import SPEC_FILE, final_dir, save_final, verify_final
 from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, model_defaults,
                                    reset_learning_rate)
 from ddptrain.train.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
@@ -60,15 +60,20 @@ class Checkpointer:
         raise_on_every_rank(error, RunDirLocked)
 
     def write_run_files(self) -> None:
-        """config.yaml (the resolved config) and train.log (the console log), on rank 0."""
+        """train.log (the console log), on rank 0."""
         if is_rank_zero():
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
             self._file_log = logging.FileHandler(self.run_dir / "train.log")
             self._file_log.addFilter(Rank0Filter())
             self._file_log.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
             logging.getLogger("ddptrain").addHandler(self._file_log)
         barrier()
+
+    def write_config(self) -> None:
+        """config.yaml (the resolved config), on rank 0: only once the launch is accepted (resumed
+        or started afresh), so a refused launch leaves the run's config as it was."""
+        if is_rank_zero():
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
 
     def close(self) -> None:
         if self._lock is not None:
@@ -191,10 +196,17 @@ class Checkpointer:
     # -- final weights -------------------------------------------------------------------------
 
     def final_is_current(self, step: int) -> bool:
-        try:
-            return json.loads((final_dir(self.run_dir) / SPEC_FILE).read_text())["step"] == step
-        except (OSError, ValueError, KeyError):
-            return False
+        """Collective: whether final/ holds this step's weights and verifies (rank 0 checks; a
+        final/ that does not verify is said and rebuilt from this step's state)."""
+        decided = [False]
+        if is_rank_zero() and (final_dir(self.run_dir) / SPEC_FILE).is_file():
+            try:
+                decided[0] = verify_final(final_dir(self.run_dir))["step"] == step
+            except ckpt.CheckpointError as error:
+                log.warning("%s: final/ is rebuilt from the state of step %d", error, step)
+        if dist.is_initialized():
+            dist.broadcast_object_list(decided, src=0)
+        return decided[0]
 
     def save_final(self, step: int, engine: Engine, model: nn.Module, spec: ModelSpec, adapter: ModelAdapter) -> Path:
         """Collective: gathers the full weights (every strategy) and rank 0 writes run.dir/final/."""
