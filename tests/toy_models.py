@@ -28,3 +28,27 @@ class CausalConvLM(nn.Module):
 def make_conv_lm(vocab_size: int, width: int = 32, kernel: int = 4) -> CausalConvLM:
     """The factory named by `model._target_=tests.toy_models.make_conv_lm`; ddptrain passes vocab_size."""
     return CausalConvLM(vocab_size, width, kernel)
+
+
+class _Reshaped(nn.Module):
+    """CausalConvLM with its output bent out of the model contract, for the start-up check's tests."""
+
+    def __init__(self, vocab_size: int, how: str):
+        super().__init__()
+        self.how = how
+        self.inner = CausalConvLM(vocab_size, 16, 2)
+
+    def forward(self, idx: torch.Tensor):
+        logits = self.inner(idx)  # (B, T, V)
+        return {"v_minus_1": lambda: logits[..., :-1], "t_minus_1": lambda: logits[:, :-1],
+                "transposed": lambda: logits.transpose(1, 2), "tuple": lambda: (logits,)}[self.how]()
+
+
+def make_reshaped_lm(vocab_size: int, how: str) -> nn.Module:
+    """`model._target_=tests.toy_models.make_reshaped_lm +model.how=v_minus_1|t_minus_1|transposed|tuple`."""
+    return _Reshaped(vocab_size, how)
+
+
+def make_raising_lm(vocab_size: int) -> nn.Module:
+    """A factory with a bug of its own."""
+    raise ValueError(f"no model for a vocabulary of {vocab_size}")

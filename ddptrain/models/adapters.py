@@ -236,7 +236,11 @@ class CustomAdapter(ModelAdapter):
             raise ModelError(f"model._target_={target} does not take {', '.join(unknown)} (its arguments: "
                              f"{', '.join(params)}); with model=custom only the factory's arguments belong under "
                              "model.*")
-        module = factory(**kwargs)
+        try:
+            module = factory(**kwargs)
+        except Exception as error:  # noqa: BLE001 - the user's code: its error is theirs to fix, named
+            raise ModelError(f"model._target_={target} raised {type(error).__name__}: {error} (called with "
+                             f"{', '.join(sorted(kwargs)) or 'no arguments'})") from error
         if not isinstance(module, nn.Module):
             raise ModelError(f"model._target_={target} returned {type(module).__name__}, not a torch.nn.Module")
         return module

@@ -19,11 +19,11 @@ from torch import nn
 
 from ddptrain.config.validation import grad_accum_steps, strategy_options
 from ddptrain.data import DataSplits, TrainBatches, load_splits
-from ddptrain.distributed import DistInfo
+from ddptrain.distributed import DistInfo, raise_on_every_rank
 from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import Objective
 from ddptrain.models.adapters import ModelAdapter, adapter_for
-from ddptrain.models.spec import ModelSpec
+from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract
 from ddptrain.models.compiling import compile_model
 from ddptrain.train.optim import build_optimizer, build_scheduler
 
@@ -73,14 +73,25 @@ def train_batches(cfg, data: DataSplits, dist_info: DistInfo) -> TrainBatches:
                         dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len)
 
 
-def build_model(cfg, vocab_size: int) -> tuple[nn.Module, ModelSpec, ModelAdapter]:
+def build_model(cfg, vocab_size: int, sample_inputs=None) -> tuple[nn.Module, ModelSpec, ModelAdapter]:
     """The configured model with the same initial weights on every rank, checked by its adapter
-    (packing, context length), with activation checkpointing and compile when configured."""
+    (packing, context length) and against the model contract on `sample_inputs` (a real
+    microbatch's inputs; every rank agrees on the verdict), with activation checkpointing and
+    compile when configured."""
     torch.manual_seed(cfg.run.seed)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     adapter = adapter_for(model_cfg)
     model, spec = adapter.build(model_cfg, vocab_size, cfg.batch.seq_len)
     adapter.check_model(model, model_cfg, cfg.batch.seq_len, cfg.batch.pack)
+    error = None
+    if sample_inputs is not None:
+        what = f"{type(model).__name__} (model.{'_target_' if '_target_' in model_cfg else 'name'}=" \
+               f"{model_cfg.get('_target_', model_cfg.get('name'))})"
+        try:
+            check_output_contract(model, sample_inputs, vocab_size, what)
+        except ModelError as caught:
+            error = caught
+    raise_on_every_rank(error, ModelError)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     if trainable < total:  # model.lora: only the adapter trains
@@ -135,7 +146,8 @@ def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, preci
     torch.manual_seed(cfg.run.seed)
     data = load_data(cfg, dist_info)
     batches = train_batches(cfg, data, dist_info)
-    model, spec, adapter = build_model(cfg, data.vocab_size)
+    microbatches = batches.microbatches(0)  # a rank may hold none: the others check
+    model, spec, adapter = build_model(cfg, data.vocab_size, microbatches[0][0] if microbatches else None)
     if prepare is not None:
         prepare(model)
     optimizer, scheduler = optimizer_and_schedule(cfg, model)
