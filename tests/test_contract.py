@@ -11,7 +11,7 @@ import torch
 from ddptrain.models.spec import ModelError
 from ddptrain.train.builder import build_model
 from ddptrain.verify import compose_config, main
-from tests.helpers import VOCAB
+from tests.helpers import VOCAB, import_optional
 
 SMALL = ["data.max_docs=40", "batch.seq_len=48", "batch.global_size=8", "optim.warmup_steps=1"]
 RESHAPED = ["model=custom", "model._target_=tests.toy_models.make_reshaped_lm"]
@@ -43,3 +43,26 @@ def test_a_factory_that_raises_is_a_model_error_in_training_and_verify(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--steps", "1", *SMALL, *RESHAPED, "+model.how=v_minus_1"])
     assert exit_info.value.code == 2 and "the model contract" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("factory, expected", [
+    ("make_ignores_packing_lm", r"IgnoresPackingLM \(custom model\) does not keep attention inside each packed document"),
+    ("make_fails_on_packed_rows_lm", r"FailsOnPackedRowsLM \(custom model\) fails on packed rows .*ValueError: too many "
+                                     r"values to unpack.*use batch.pack=false"),
+])
+def test_packing_probes_every_model_kind_at_start_up(factory, expected):
+    cfg = compose_config(["model=custom", f"model._target_=tests.toy_models.{factory}", "batch.pack=true"])
+    with pytest.raises(ModelError, match=expected):
+        build_model(cfg, VOCAB)
+    build_model(compose_config(["batch.pack=true", "model.n_layer=1", "model.n_embd=32"]), VOCAB)  # the GPT honours it
+
+
+def test_bloom_with_eager_attention_and_packing_is_a_model_error_naming_it(tmp_path):
+    transformers = import_optional("transformers")
+    from ddptrain.models import hf
+
+    transformers.BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=2).save_pretrained(tmp_path)
+    model = hf.load_causal_lm(str(tmp_path), "eager", 256)
+    with pytest.raises(ModelError, match=r"BloomForCausalLM with attn_implementation=eager fails on packed rows .*"
+                                         r"use batch.pack=false"):
+        hf.check_packing(model)

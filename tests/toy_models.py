@@ -52,3 +52,31 @@ def make_reshaped_lm(vocab_size: int, how: str) -> nn.Module:
 def make_raising_lm(vocab_size: int) -> nn.Module:
     """A factory with a bug of its own."""
     raise ValueError(f"no model for a vocabulary of {vocab_size}")
+
+
+class IgnoresPackingLM(CausalConvLM):
+    """Takes positions= and segments= (so the signature check passes) but ignores them: its
+    convolution reaches across document boundaries in a packed row."""
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(idx)
+
+
+def make_ignores_packing_lm(vocab_size: int) -> IgnoresPackingLM:
+    return IgnoresPackingLM(vocab_size, 16, 3)
+
+
+class FailsOnPackedRowsLM(CausalConvLM):
+    """Raises on packed rows, as Bloom's eager attention does on a 4D mask (issue 23, item 13)."""
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        if segments is not None:
+            first, second = segments.shape  # "too many values to unpack" on a 4D mask in Bloom
+            _, _ = segments.unsqueeze(0).shape
+        return super().forward(idx)
+
+
+def make_fails_on_packed_rows_lm(vocab_size: int) -> FailsOnPackedRowsLM:
+    return FailsOnPackedRowsLM(vocab_size, 16, 3)

@@ -35,7 +35,8 @@ from torch import nn
 from ddptrain.models import hf  # imports no transformers by itself: only its functions do
 from ddptrain.models import lora  # nor peft
 from ddptrain.models.gpt import GPT, GPTConfig
-from ddptrain.models.spec import ModelError, ModelSpec, accepts_packed_rows, class_path, tied_parameters
+from ddptrain.models.spec import (ModelError, ModelSpec, accepts_packed_rows, check_packed_isolation, class_path,
+                                  tied_parameters)
 
 WEIGHTS_FILE = "model.safetensors"
 """The weights in final/ (every kind: transformers' save_pretrained writes this name too)."""
@@ -68,6 +69,8 @@ class ModelAdapter:
             raise ModelError(f"batch.pack=true needs a model whose forward takes positions= and segments= "
                              f"(attention inside each document); {type(model).__name__}.forward does not; "
                              "use batch.pack=false")
+        if pack:  # taking them is not honouring them: the probe HF models get, for every kind
+            check_packed_isolation(model, f"{type(model).__name__} ({self.kind} model)")
 
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         """Checkpoint every transformer block of `model` (see the module docstring)."""

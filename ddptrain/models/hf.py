@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddptrain.models.spec import ModelError
+from ddptrain.models.spec import ModelError, check_packed_isolation
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -147,28 +147,11 @@ def _packed_rows_to_hf(module: nn.Module, args: tuple, kwargs: dict):
 def check_packing(model: nn.Module) -> None:
     """Refuse packing unless a packed row computes each document exactly as if it were alone.
 
-    Architectures differ in whether they honour a custom 4D mask and position ids; one small
-    forward on CPU tells, instead of silently attending across documents."""
-    lengths = (5, 7)
-    vocab = model.get_input_embeddings().num_embeddings
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, sum(lengths)), generator=generator)
-    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            packed = model(idx=ids, positions=positions, segments=segments).logits
-            alone = torch.cat([model(ids[:, start:start + n]).logits
-                               for start, n in zip((0, lengths[0]), lengths)], dim=1)
-    finally:
-        model.train(was_training)
-    difference = float((packed - alone).abs().max())
-    if not difference <= 1e-4:
-        raise ModelError(f"batch.pack=true: {type(model).__name__} with attn_implementation="
-                         f"{model.config._attn_implementation} does not keep attention inside each packed document "
-                         f"(logits differ by {difference:.3g} from each document alone); use batch.pack=false")
+    Architectures differ in whether they honour a custom 4D mask and position ids (and some, like
+    Bloom's eager attention, raise on one); the probe every model kind gets tells, instead of
+    silently attending across documents."""
+    check_packed_isolation(model, f"{type(model).__name__} with attn_implementation="
+                                  f"{model.config._attn_implementation}")
 
 
 def save_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
