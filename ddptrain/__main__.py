@@ -20,10 +20,10 @@ from ddptrain.distributed import (destroy_distributed, env_world_size, init_dist
                                   setup_logging)
 from ddptrain.models.spec import ModelError
 from ddptrain.train.checkpoint import CheckpointError
-from ddptrain.train.rundir import RunDirLocked
+from ddptrain.train.rundir import RunDirError
 from ddptrain.train.trainer import Trainer
 
-_KINDS = ((DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"), (RunDirLocked, "run.dir"))
+_KINDS = ((DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"), (RunDirError, "run.dir"))
 """Errors that are the user's to fix: a clear message on every rank and exit code 2."""
 
 

@@ -413,11 +413,16 @@ def _candidates(run_dir: str | Path, resume: str) -> list[str]:
         return []
     if resume == "auto":
         return [str(path) for _, path in reversed(list_checkpoints(run_dir))]
+    check_resume_path(resume, run_dir)
+    return [str(Path(resume).expanduser())]
+
+
+def check_resume_path(resume: str, run_dir: str | Path) -> None:
+    """A CheckpointError when checkpoint.resume names a path that does not exist."""
     path = Path(resume).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist (checkpoint.resume takes auto, none or a checkpoint directory "
-                              f"such as {checkpoint_dir(run_dir) / step_name(100)})")
-    return [str(path)]
+    if resume not in ("auto", "none") and not path.exists():
+        raise CheckpointError(f"{path} does not exist (checkpoint.resume takes auto, none "
+                              f"or a checkpoint directory such as {checkpoint_dir(run_dir) / step_name(100)})")
 
 
 def state_dir(path: Path) -> Path:

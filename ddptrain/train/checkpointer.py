@@ -29,7 +29,7 @@ from ddptrain.train.faults import FaultInjector
 from ddptrain.train.final import SPEC_FILE, final_dir, save_final, verify_final
 from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, model_defaults,
                                    reset_learning_rate)
-from ddptrain.train.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
+from ddptrain.train.rundir import RunDirError, RunDirLock, RunDirLocked, move_previous_run_aside
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +50,20 @@ class Checkpointer:
     # -- the run directory ---------------------------------------------------------------------
 
     def lock(self) -> None:
-        """Rank 0 takes the run dir's lock; a live holder fails every rank at start-up, by name."""
+        """Rank 0 takes the run dir's lock; a live holder, or a run.dir that cannot be created or
+        written, fails every rank at start-up, by name. An explicit checkpoint.resume path that does
+        not exist is refused first, so that nothing is created."""
+        ckpt.check_resume_path(self.cfg.checkpoint.resume, self.run_dir)  # every rank alike, no collective
         error = None
         if is_rank_zero():
             try:
                 self._lock = RunDirLock(self.run_dir).acquire()
-            except (RunDirLocked, OSError) as caught:
+            except RunDirLocked as caught:
                 error = caught
-        raise_on_every_rank(error, RunDirLocked)
+            except OSError as caught:
+                error = RunDirError(f"run.dir={self.run_dir} cannot be used: {describe_write_error(caught, self.run_dir)}"
+                                    " (it must be a writable directory, or a path where one can be created)")
+        raise_on_every_rank(error, RunDirError)
 
     def write_run_files(self) -> None:
         """train.log (the console log), on rank 0."""

@@ -31,7 +31,11 @@ HEARTBEAT_S = 10.0
 STALE_AFTER_S = 60.0
 
 
-class RunDirLocked(RuntimeError):
+class RunDirError(RuntimeError):
+    """run.dir cannot be used (a file, a read-only filesystem, held by another run); the message says why."""
+
+
+class RunDirLocked(RunDirError):
     """Another live run holds the run directory; the message names it."""
 
 
