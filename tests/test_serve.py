@@ -327,6 +327,7 @@ BAD_REQUESTS = [
     ('{"max_tokens": 4}', "prompt", "prompt is required"),
     ('{"prompt": 7}', "prompt", "must be a string"),
     ('{"prompt": ""}', "prompt", "empty"),
+    ('{"prompt": "ab\\udc80"}', "prompt", "prompt is not valid Unicode text: surrogates not allowed '\\udc80'"),
     ('{"prompt": "' + "x" * 70 + '"}', "prompt", "longer than the model's context of 64"),
     ('{"prompt": "x", "max_tokens": -1}', "max_tokens", "must be an integer >= 1"),
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens", "must be an integer >= 1"),
@@ -538,6 +539,7 @@ BAD_CHAT_REQUESTS = [
      "messages[1].role='robot' must be one of system, user, assistant"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "must be a string, not int"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "must be a string, not NoneType"),
+    ({"messages": [{"role": "user", "content": "ab\udc80"}]}, "messages[0].content", "is not valid Unicode text"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "messages[0].content",
      "content parts"),
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name", "unknown key 'name'"),
@@ -606,6 +608,9 @@ def test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_no
     with pytest.raises(SystemExit) as exit_info:
         main([str(run_dir), "--prompt", "x" * 70])
     assert exit_info.value.code == 2 and "longer than the model's context of 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run_dir), "--prompt", "ab\udcffcd"])  # $'ab\xffcd' on a command line, as Python decodes argv
+    assert exit_info.value.code == 2 and "--prompt is not valid Unicode text" in capsys.readouterr().err
 
 
 @contextlib.contextmanager
