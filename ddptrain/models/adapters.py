@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -75,6 +76,11 @@ class ModelAdapter:
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         """Checkpoint every transformer block of `model` (see the module docstring)."""
         raise NotImplementedError
+
+    def architecture(self, model_cfg: Mapping) -> dict:
+        """What defines the architecture beyond the `model` config section (which resume already
+        compares key by key), for the run's fingerprint: nothing, but for model=hf."""
+        return {}
 
     def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> list[Path]:
         """What final/ needs to tokenize like this run: data.tokenizer's json, none for bytes."""
@@ -164,6 +170,11 @@ class HFAdapter(ModelAdapter):
 
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         hf.enable_activation_checkpointing(model)
+
+    def architecture(self, model_cfg: Mapping) -> dict:
+        """model.path's config.json, but for what says where or by which version it was written."""
+        config = json.loads((Path(model_cfg["path"]).expanduser() / "config.json").read_text())
+        return {key: value for key, value in config.items() if key not in ("_name_or_path", "transformers_version")}
 
     def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> list[Path]:
         """The model directory's tokenizer files, unless the run used another tokenizer.json."""
