@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from ddptrain.distributed import barrier, first_failure, get_rank, get_world_size, is_rank_zero
 from ddptrain.fsutil import (UnsafeFileError, describe_write_error, fsync_dir, fsync_file, load_torch, save_torch,
@@ -118,7 +119,7 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
             save_state(tmp / STATE_DIR)
         if failpoint is not None:
             failpoint()
-    except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+    except (Exception, DCPException) as caught:  # noqa: BLE001 - any write error must reach every rank
         error = _write_error(step, caught, tmp)
     _fail_together(error, tmp)
     digests: dict[str, str] = {}
@@ -164,7 +165,7 @@ class PendingCheckpoint:
         error, digests = None, {}
         try:
             digests = {**self._digests, **self._hashed.result()}
-        except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+        except (Exception, DCPException) as caught:  # noqa: BLE001 - any write error must reach every rank
             error = _write_error(self.step, caught, self.tmp)
         finally:
             self._pool.shutdown(wait=False)
@@ -191,7 +192,7 @@ def start_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
         pending = PendingCheckpoint(step, tmp, final, _digests(tmp, small), writing)
         if failpoint is not None:
             failpoint()
-    except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+    except (Exception, DCPException) as caught:  # noqa: BLE001 - any write error must reach every rank
         error = _write_error(step, caught, tmp)
     _fail_together(error, tmp)
     return pending
@@ -264,8 +265,26 @@ def _write_small_files(tmp: Path, trainer_state: dict | None) -> None:
 
 
 def _write_error(step: int, caught: BaseException, tmp: Path) -> CheckpointError:
+    """DCP's CheckpointException is a BaseException holding each rank's failure: the first OSError
+    among them (a full disk) is the one to name."""
+    caught = _root_cause(caught)
     return CheckpointError(f"checkpoint of step {step} could not be written: {describe_write_error(caught, tmp)}; "
                            "the previous checkpoint is kept")
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The first OSError inside DCP's (possibly nested) CheckpointException, else its first line as a
+    RuntimeError (its text carries every rank's traceback)."""
+    pending = [error]
+    while pending:
+        current = pending.pop(0)
+        if isinstance(current, OSError):
+            return current
+        if isinstance(current, DCPException):
+            pending += [failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values()]
+        elif current.__cause__ is not None or current.__context__ is not None:
+            pending.append(current.__cause__ or current.__context__)
+    return RuntimeError(str(error).splitlines()[0]) if isinstance(error, DCPException) else error
 
 
 def _digests(tmp: Path, files: list[Path]) -> dict[str, str]:
