@@ -168,7 +168,7 @@ class PendingCheckpoint:
         except (Exception, DCPException) as caught:  # noqa: BLE001 - any write error must reach every rank
             error = _write_error(self.step, caught, self.tmp)
         finally:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(wait=True)  # its one task is done (result() returned or raised): joins the thread
         _fail_together(error, self.tmp)
         _commit(self.step, self.tmp, self.final, digests)
         return self.final

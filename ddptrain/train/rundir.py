@@ -134,6 +134,9 @@ class RunDirLock:
 
     def release(self) -> None:
         self._stop.set()
+        if self._thread is not None:  # joined: no thread of ours outlives the run (issue 23, item 17)
+            self._thread.join(timeout=5)
+            self._thread = None
         try:
             holder = json.loads(self.path.read_text())
             if holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
