@@ -53,3 +53,14 @@ def test_data_hf_on_a_directory_that_is_not_a_dataset_is_a_data_error(tmp_path):
     (tmp_path / "notes.txt").write_text("not a dataset")
     with pytest.raises(DataError, match=r"is a directory but not a Hugging Face dataset saved with save_to_disk"):
         hf_records([tmp_path], "train", tmp_path / "cache")
+
+
+def test_the_layout_line_says_what_the_global_batch_is_split_into():
+    from ddptrain.train.builder import describe_layout
+
+    fixed = compose_config(["batch.global_size=8", "batch.micro_size=2"])
+    assert describe_layout(fixed, 2) == "global batch 8 sequences = micro 2 x accumulation 2 x world 2"
+    packed = describe_layout(compose_config(["batch.global_size=8", "batch.micro_size=2", "batch.pack=true",
+                                             "batch.seq_len=64"]), 1)
+    assert packed.startswith("global batch 8 sequences, packed into rows of 64 tokens, 2 rows per microbatch, world 1")
+    assert "=" not in packed, "rows x world is not the global batch when documents are packed"

@@ -124,17 +124,21 @@ def step_layout(cfg, world_size: int) -> dict:
 
 
 def describe_layout(cfg, world_size: int) -> str:
-    """The step's layout in words, for the start-up summary and verify's report."""
+    """The step's layout in words, for the start-up summary and verify's report: "global batch 8
+    sequences = micro 2 x accumulation 2 x world 2" where the product is the global batch, else
+    (token budgets, packing: rows per step vary) what the global batch is split into."""
     batch = cfg.batch
+    whole = f"global batch {batch.global_size} sequences"
     if batch.micro_tokens is None and not batch.pack:
         accumulation = grad_accum_steps(batch.global_size, batch.micro_size, world_size)
-        return f"micro {batch.micro_size} x accumulation {accumulation} x world {world_size}"
+        return f"{whole} = micro {batch.micro_size} x accumulation {accumulation} x world {world_size}"
     budget = (f"microbatches of <= {batch.micro_tokens} padded tokens" if batch.micro_tokens
               else f"{batch.micro_size} rows per microbatch")
-    packed = f"packed rows of {batch.seq_len} tokens, " if batch.pack else ""
+    packed = f"packed into rows of {batch.seq_len} tokens, " if batch.pack else "in "
     if batch.pack and cfg.data.name == "sft":
+        whole = f"global batch {batch.global_size} conversations"
         packed = f"each step's conversations packed whole into rows of <= {batch.seq_len} tokens, "
-    return f"{packed}{budget}, world {world_size}"
+    return f"{whole}, {packed}{budget}, world {world_size} (the number of microbatches varies by step and rank)"
 
 
 def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, precision: str | None = None,
