@@ -64,3 +64,26 @@ def test_the_layout_line_says_what_the_global_batch_is_split_into():
                                              "batch.seq_len=64"]), 1)
     assert packed.startswith("global batch 8 sequences, packed into rows of 64 tokens, 2 rows per microbatch, world 1")
     assert "=" not in packed, "rows x world is not the global batch when documents are packed"
+
+
+@pytest.mark.slow
+def test_exporting_an_unfinished_run_says_so_and_serving_a_custom_run_is_a_serve_error(tmp_path, capsys):
+    import shutil
+
+    from ddptrain.export import main as export_main
+    from ddptrain.serving.servable import ServableError, servable_dir
+    from tests.helpers import TINY_RUN, run_cli
+
+    small = [*TINY_RUN, "batch.seq_len=32", "batch.global_size=4", "batch.micro_size=2", "trainer.max_steps=2"]
+    gpt = tmp_path / "gpt"
+    assert run_cli([*small, f"run.dir={gpt}", "checkpoint.every=1"]).returncode == 0
+    shutil.rmtree(gpt / "final")  # as if the run were still going
+    export_main([str(gpt), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "has no final/ yet" in err and "step_00000002" in err, err
+    custom = tmp_path / "custom"
+    result = run_cli([*(arg for arg in small if not arg.startswith("model.")), "model=custom", "model._target_=tests.toy_models.make_conv_lm", f"run.dir={custom}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    with pytest.raises(ServableError, match=r"cannot be served: model class tests.toy_models.CausalConvLM has no "
+                                            r"transformers architecture"):
+        servable_dir(custom)
