@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -388,7 +389,7 @@ def _spy_on_cancellations(generator) -> list[str]:
     return cancelled
 
 
-def test_a_client_that_disconnects_cancels_its_request(run_dir):
+def test_a_client_that_disconnects_cancels_its_request(run_dir, caplog):
     body = json.dumps({"prompt": "def __init__(self", "max_tokens": CONTEXT - 20, "temperature": 0})
 
     async def stream_then_leave(url):
@@ -417,6 +418,17 @@ def test_a_client_that_disconnects_cancels_its_request(run_dir):
             wait_for(lambda: generator.in_flight)  # it is decoding
         wait_for(lambda: len(cancelled) == 2 and not generator.in_flight)
         assert len(cancelled) == 2 and generator.in_flight == 0
+        # Mid-body: the headers promise more than is sent before the socket closes (issue 23, item 16).
+        uvicorn_errors = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root
+        uvicorn_errors.addHandler(caplog.handler)
+        with caplog.at_level("INFO", logger="ddptrain"):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(body) + 50}\r\n\r\n{body[:5]}".encode())
+            wait_for(lambda: "disconnected before sending its whole request" in caplog.text)
+        uvicorn_errors.removeHandler(caplog.handler)
+        assert "disconnected before sending its whole request" in caplog.text
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], "a disconnect is no ERROR with a traceback"
         assert httpx.get(url + "/health").json()["status"] == "ok"
 
 

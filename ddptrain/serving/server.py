@@ -152,7 +152,8 @@ def build_app(generator: Generator, api_key: str | None = None):
     """The FastAPI app; its lifespan starts the generator's decoding loop and closes it. With
     `api_key`, every endpoint but /health requires it (ddptrain/serving/access.py)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -185,10 +186,21 @@ def build_app(generator: Generator, api_key: str | None = None):
     app.state.chat_template = chat_template
     text_bodies, chat_bodies = TextBodies(model), ChatBodies(model)
 
+    async def body_of(request: Request) -> bytes | None:
+        """The request body; None when the client went away before sending all of it (nobody to
+        answer: an info line, not an ERROR with a traceback per disconnect)."""
+        try:
+            return await request.body()
+        except ClientDisconnect:
+            log.info("client %s disconnected before sending its whole request", request.client)
+            return None
+
     @app.post("/v1/completions")
     async def completions(request: Request):
+        if (body := await body_of(request)) is None:
+            return Response(status_code=499)
         try:
-            prompt, params, stream = parse_completion_request(await request.body())
+            prompt, params, stream = parse_completion_request(body)
             prompt_ids = generator.prepare(prompt, params)
         except RequestError as error:
             return _error(400, str(error), error.field)
@@ -196,8 +208,10 @@ def build_app(generator: Generator, api_key: str | None = None):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        if (body := await body_of(request)) is None:
+            return Response(status_code=499)
         try:
-            messages, fields, stream = parse_chat_request(await request.body())
+            messages, fields, stream = parse_chat_request(body)
             prompt_ids = chat_template.render(messages)
             params = chat_params(generator, prompt_ids, fields)
         except RequestError as error:
