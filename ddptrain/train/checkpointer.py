@@ -8,6 +8,7 @@ class decides when they run and keeps every rank in step with rank 0.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Callable
@@ -205,7 +206,7 @@ class Checkpointer:
         """Collective: whether final/ holds this step's weights and verifies (rank 0 checks; a
         final/ that does not verify is said and rebuilt from this step's state)."""
         decided = [False]
-        if is_rank_zero() and (final_dir(self.run_dir) / SPEC_FILE).is_file():
+        if is_rank_zero() and _final_step(self.run_dir) == step:  # another step's: rewritten without hashing it
             try:
                 decided[0] = verify_final(final_dir(self.run_dir))["step"] == step
             except ckpt.CheckpointError as error:
@@ -237,6 +238,13 @@ class Checkpointer:
                                              f"{describe_write_error(caught, path)}")
         raise_on_every_rank(error, ckpt.CheckpointError)
         return path
+
+
+def _final_step(run_dir: Path) -> int | None:
+    try:
+        return json.loads((final_dir(run_dir) / SPEC_FILE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _check_finite(weights: dict[str, torch.Tensor], step: int, consequence: str) -> None:
