@@ -20,10 +20,11 @@ from ddptrain.distributed import (destroy_distributed, env_world_size, init_dist
                                   setup_logging)
 from ddptrain.models.spec import ModelError
 from ddptrain.train.checkpoint import CheckpointError
-from ddptrain.train.rundir import RunDirLocked
+from ddptrain.train.preemption import Preempted
+from ddptrain.train.rundir import RunDirError
 from ddptrain.train.trainer import Trainer
 
-_KINDS = ((DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"), (RunDirLocked, "run.dir"))
+_KINDS = ((DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"), (RunDirError, "run.dir"))
 """Errors that are the user's to fix: a clear message on every rank and exit code 2."""
 
 
@@ -48,19 +49,28 @@ def train(cfg: DictConfig) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         set_parent_death_signal()  # workers must not outlive torchrun (SIGTERM: they checkpoint and exit)
     trainer = Trainer(cfg, init_distributed(cfg.dist.timeout_s))
+    together = False  # whether every rank reaches teardown alike (finished, or preempted together)
     try:
         trainer.build().fit()
+        together = True
+    except Preempted:
+        together = True
+        raise
     except tuple(kind for kind, _ in _KINDS) as error:
         name = next(name for kind, name in _KINDS if isinstance(error, kind))
         logging.getLogger("ddptrain").error("%s error: %s", name, error)
         sys.exit(2)
     finally:
+        # A fixed order (issue 23, item 17): ddptrain's threads joined (prefetch in fit, the
+        # preemption watchdog and the lock heartbeat in close), the wrapped model freed (a DDP
+        # module alive at destroy_process_group() sometimes aborted the process at exit,
+        # "terminate called without an active exception"), every rank done with the group before
+        # any destroys it, then the group, then the logs.
         trainer.close()
-        # A DDP module still alive at destroy_process_group() sometimes aborts the process at exit
-        # ("terminate called without an active exception", ~1 run in 8 here): free it first.
         del trainer
         gc.collect()
-        destroy_distributed()
+        destroy_distributed(wait_for_peers=together)
+        logging.shutdown()
 
 
 def main() -> None:

@@ -193,8 +193,16 @@ def _accepts_connections(host: str, port: int) -> bool:
         return False
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(wait_for_peers: bool = False) -> None:
+    """Destroy every process group (the background one included). `wait_for_peers`: a barrier first,
+    so that no rank tears down its connections while another still uses them (only where every
+    rank gets here alike: after a failure a peer may never come)."""
     if is_distributed():
+        if wait_for_peers:
+            try:
+                dist.barrier()
+            except RuntimeError:  # a peer died after finishing: nothing left to wait for
+                pass
         _BACKGROUND_GROUP.clear()
         dist.destroy_process_group()
 

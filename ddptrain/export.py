@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ExportError, FileNotFoundError, CheckpointError, ModelError) as error:
         print(f"export error: {error}", file=sys.stderr)
         sys.exit(2)
+    source = weights_dir(args.run_dir)
+    if source.name != "final":  # load_model's fallback: say which weights these are
+        print(f"note: {args.run_dir} has no final/ yet (the run has not finished or been preempted): exported the "
+              f"newest checkpoint, {source.name}", file=sys.stderr)
     print(f"exported {args.run_dir} to {out_dir}")
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import pickle
+import re
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -65,6 +68,32 @@ def save_torch(obj, path: Path) -> None:
             os.fsync(handle.fileno())
     except OSError as error:
         raise OSError(error.errno, error.strerror, str(path)) from error
+
+
+class UnsafeFileError(ValueError):
+    """A torch file holds a pickled object outside ddptrain's allowlist: refused, never run."""
+
+
+def _numpy_globals() -> list:
+    """What np.random.get_state() pickles to (an ndarray of uint32), under numpy 2's module names
+    and numpy 1's (`numpy.core`), so RNG states written by either load."""
+    reconstruct = np._core.multiarray._reconstruct
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
+            type(np.dtype(np.uint32))]
+
+
+def load_torch(path: Path):
+    """torch.load(weights_only=True) on the CPU, allowing besides tensors and plain containers only
+    the numpy RNG state (rng_rank*.pt). Anything else pickled in the file (a class, a function: code
+    that unpickling would run) raises UnsafeFileError naming the file and the object, before any of it runs."""
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))  # torch's wording varies; the name does not
+        what = f"the global {found.group(1).rstrip('.')}" if found else str(error).splitlines()[0]
+        raise UnsafeFileError(f"{path} holds a pickled object outside ddptrain's allowlist ({what}); it was refused "
+                              "and none of it ran. Resume only from checkpoints you trust") from error
 
 
 def describe_write_error(error: BaseException, directory: Path) -> str:

@@ -141,8 +141,7 @@ def verify(cfg, steps: int = 3, on_configured_device: bool = False, tolerance: f
     one_process = _OneProcess(reference, *builder.optimizer_and_schedule(cfg, reference), builder.objective_of(cfg),
                               cfg.trainer.grad_clip, precision, device)
     names = [name for name, _ in reference.named_parameters()]
-    layout = (f"strategy {cfg.strategy.name}, {builder.describe_layout(cfg, dist_info.world_size)} = global batch "
-              f"{cfg.batch.global_size} sequences")
+    layout = f"strategy {cfg.strategy.name}, {builder.describe_layout(cfg, dist_info.world_size)}"
     report = Report(layout, precision, str(device), tolerance if tolerance is not None else TOLERANCES[precision],
                     found["caveats"], found["dropout_disabled"])
     batches = built.batches

@@ -64,6 +64,8 @@ COMMANDS = {
         "tests/test_benchmarks.py::test_attention_benchmark_prints_every_backend_beside_causal_sdpa",
     "python -m benchmarks.bench_data --seq-len 1024 --global-batch 16 --micro-size 4 --steps 100":
         "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
+    "python -m benchmarks.bench_checkpoint --mb 200 --rounds 3":
+        "tests/test_benchmarks.py::test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save",
     "python -m benchmarks.bench_memory": "tests/test_benchmarks.py::test_memory_benchmark_compares_ddp_and_zero1",
     "python -m ddptrain.plan --world-size 16 --ranks-per-node 8 --device-memory 80GiB --bandwidth 200GB/s "
     "--inter-node-bandwidth 25GB/s model.n_layer=12 model.n_head=12 model.n_embd=768 data.vocab_size=50304 "

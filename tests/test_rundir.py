@@ -173,7 +173,10 @@ def test_purge_never_deletes_the_checkpoint_just_written(tmp_path):
         (path / ckpt.MARKER).write_text("{}")
     just_written = ckpt.checkpoint_dir(tmp_path) / ckpt.step_name(2)
     ckpt.purge(tmp_path, keep=1, protect=just_written)
-    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2, 9]
+    # 8 and 9 are newer than the one just written (they did not verify on resume): not counted, not deleted
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2, 8, 9]
+    ckpt.purge(tmp_path, keep=1, protect=ckpt.checkpoint_dir(tmp_path) / ckpt.step_name(9))
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [9]
 
 
 # -- resuming with another config -----------------------------------------------------------------

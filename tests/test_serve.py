@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -327,6 +328,7 @@ BAD_REQUESTS = [
     ('{"max_tokens": 4}', "prompt", "prompt is required"),
     ('{"prompt": 7}', "prompt", "must be a string"),
     ('{"prompt": ""}', "prompt", "empty"),
+    ('{"prompt": "ab\\udc80"}', "prompt", "prompt is not valid Unicode text: surrogates not allowed '\\udc80'"),
     ('{"prompt": "' + "x" * 70 + '"}', "prompt", "longer than the model's context of 64"),
     ('{"prompt": "x", "max_tokens": -1}', "max_tokens", "must be an integer >= 1"),
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens", "must be an integer >= 1"),
@@ -387,7 +389,7 @@ def _spy_on_cancellations(generator) -> list[str]:
     return cancelled
 
 
-def test_a_client_that_disconnects_cancels_its_request(run_dir):
+def test_a_client_that_disconnects_cancels_its_request(run_dir, caplog):
     body = json.dumps({"prompt": "def __init__(self", "max_tokens": CONTEXT - 20, "temperature": 0})
 
     async def stream_then_leave(url):
@@ -416,6 +418,17 @@ def test_a_client_that_disconnects_cancels_its_request(run_dir):
             wait_for(lambda: generator.in_flight)  # it is decoding
         wait_for(lambda: len(cancelled) == 2 and not generator.in_flight)
         assert len(cancelled) == 2 and generator.in_flight == 0
+        # Mid-body: the headers promise more than is sent before the socket closes (issue 23, item 16).
+        uvicorn_errors = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root
+        uvicorn_errors.addHandler(caplog.handler)
+        with caplog.at_level("INFO", logger="ddptrain"):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(body) + 50}\r\n\r\n{body[:5]}".encode())
+            wait_for(lambda: "disconnected before sending its whole request" in caplog.text)
+        uvicorn_errors.removeHandler(caplog.handler)
+        assert "disconnected before sending its whole request" in caplog.text
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], "a disconnect is no ERROR with a traceback"
         assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
@@ -538,6 +551,7 @@ BAD_CHAT_REQUESTS = [
      "messages[1].role='robot' must be one of system, user, assistant"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "must be a string, not int"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "must be a string, not NoneType"),
+    ({"messages": [{"role": "user", "content": "ab\udc80"}]}, "messages[0].content", "is not valid Unicode text"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "messages[0].content",
      "content parts"),
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name", "unknown key 'name'"),
@@ -606,6 +620,9 @@ def test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_no
     with pytest.raises(SystemExit) as exit_info:
         main([str(run_dir), "--prompt", "x" * 70])
     assert exit_info.value.code == 2 and "longer than the model's context of 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run_dir), "--prompt", "ab\udcffcd"])  # $'ab\xffcd' on a command line, as Python decodes argv
+    assert exit_info.value.code == 2 and "--prompt is not valid Unicode text" in capsys.readouterr().err
 
 
 @contextlib.contextmanager

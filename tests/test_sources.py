@@ -209,7 +209,9 @@ def test_waiting_ranks_get_the_entry_or_the_builders_error(tmp_path):
     time.sleep(0.1)
     built = cache_module.build_or_wait(tmp_path, "k1", slow_build, is_builder=True)
     waiter.join(timeout=10)
-    assert built[2] is True and results["waiter"][1] == {"ok": 1} and results["waiter"][2] is False
+    meta = results["waiter"][1]
+    assert built[2] is True and meta.pop("checksums").keys() == {"x.npy"} and meta == {"ok": 1}
+    assert results["waiter"][2] is False
 
     def failing_build(tmp):
         raise DataError("corpus.jsonl:3: invalid JSON")

@@ -28,3 +28,55 @@ class CausalConvLM(nn.Module):
 def make_conv_lm(vocab_size: int, width: int = 32, kernel: int = 4) -> CausalConvLM:
     """The factory named by `model._target_=tests.toy_models.make_conv_lm`; ddptrain passes vocab_size."""
     return CausalConvLM(vocab_size, width, kernel)
+
+
+class _Reshaped(nn.Module):
+    """CausalConvLM with its output bent out of the model contract, for the start-up check's tests."""
+
+    def __init__(self, vocab_size: int, how: str):
+        super().__init__()
+        self.how = how
+        self.inner = CausalConvLM(vocab_size, 16, 2)
+
+    def forward(self, idx: torch.Tensor):
+        logits = self.inner(idx)  # (B, T, V)
+        return {"v_minus_1": lambda: logits[..., :-1], "t_minus_1": lambda: logits[:, :-1],
+                "transposed": lambda: logits.transpose(1, 2), "tuple": lambda: (logits,)}[self.how]()
+
+
+def make_reshaped_lm(vocab_size: int, how: str) -> nn.Module:
+    """`model._target_=tests.toy_models.make_reshaped_lm +model.how=v_minus_1|t_minus_1|transposed|tuple`."""
+    return _Reshaped(vocab_size, how)
+
+
+def make_raising_lm(vocab_size: int) -> nn.Module:
+    """A factory with a bug of its own."""
+    raise ValueError(f"no model for a vocabulary of {vocab_size}")
+
+
+class IgnoresPackingLM(CausalConvLM):
+    """Takes positions= and segments= (so the signature check passes) but ignores them: its
+    convolution reaches across document boundaries in a packed row."""
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(idx)
+
+
+def make_ignores_packing_lm(vocab_size: int) -> IgnoresPackingLM:
+    return IgnoresPackingLM(vocab_size, 16, 3)
+
+
+class FailsOnPackedRowsLM(CausalConvLM):
+    """Raises on packed rows, as Bloom's eager attention does on a 4D mask (issue 23, item 13)."""
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        if segments is not None:
+            first, second = segments.shape  # "too many values to unpack" on a 4D mask in Bloom
+            _, _ = segments.unsqueeze(0).shape
+        return super().forward(idx)
+
+
+def make_fails_on_packed_rows_lm(vocab_size: int) -> FailsOnPackedRowsLM:
+    return FailsOnPackedRowsLM(vocab_size, 16, 3)

@@ -251,6 +251,9 @@ class CheckpointConfig:
     """Keep the newest K complete checkpoints (the only complete one is never deleted)."""
     resume: str = "auto"
     """auto (latest complete checkpoint in run.dir, else fresh) | none | a checkpoint path."""
+    accept_changed_data: bool = False
+    """Resume although the corpus differs from the checkpoint's fingerprint (a file appended to, a new file
+    matching the glob), with a warning: the data order differs from then on."""
     async_save: bool = False
     """Write weights and optimizer state in the background (dcp.async_save over a gloo group of its own):
     the step waits only for the copy to host memory; the checkpoint becomes complete (digests, marker)

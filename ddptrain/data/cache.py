@@ -6,7 +6,8 @@ tokens; absent when the split reads a single pre-tokenized source file in place)
 written last. The key is a SHA-256 of the fingerprint: every source file's resolved path, size
 and modification time (sizes and mtimes only: hashing the content would cost as much as
 tokenizing it), the tokenizer (for a tokenizer.json, a hash of its content) and every setting
-that changes the arrays.
+that changes the arrays. meta.json also holds each array file's size and sha256 (sampled blocks
+beyond FULL_HASH_BYTES), verified on every load: a damaged entry is rebuilt, with a warning.
 
 One process per node builds (local rank 0) while the others poll for the finished entry, not
 in a barrier: a long build would outlast the process group's timeout. The build writes into a
@@ -55,6 +56,17 @@ def file_stamp(path: Path) -> list:
     return [os.path.abspath(path), stat.st_size, stat.st_mtime_ns]
 
 
+def relative_stamps(paths: list[Path]) -> dict:
+    """{name relative to the files' common directory: [size, mtime in ns]} (a saved dataset
+    directory: its files, each by its name under the common directory). No absolute path: a corpus
+    moved whole keeps its stamps."""
+    files = [(p, f) for p in paths for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
+    if not files:
+        return {}
+    base = os.path.commonpath([os.path.abspath(p if p.is_dir() else p.parent) for p, _ in files])
+    return {os.path.relpath(os.path.abspath(f), base): [f.stat().st_size, f.stat().st_mtime_ns] for _, f in files}
+
+
 def cache_key(fingerprint: dict) -> str:
     text = json.dumps({"version": CACHE_VERSION, **fingerprint}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
@@ -72,7 +84,16 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
     entry = cache_dir / key
     failed = cache_dir / f"{key}.failed-{_run_id()}"
     if (entry / _META).is_file():
-        return entry, _read_meta(entry), False
+        meta = _read_meta(entry)
+        damage = damaged_file(entry, meta)
+        if damage is None:
+            return entry, meta, False
+        if not is_builder:  # local rank 0 rebuilds it: wait for an entry that verifies
+            return entry, _wait_for(entry, failed, poll_s, damaged=True), False
+        aside = entry.with_name(f"{key}.bad-{os.getpid()}")
+        os.replace(entry, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        log.warning("data: cache entry %s is damaged (%s): removed and rebuilt", entry, damage)
     if not is_builder:
         return entry, _wait_for(entry, failed, poll_s), False
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +102,7 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
     tmp.mkdir()
     try:
         meta = build(tmp)
+        meta["checksums"] = {path.name: array_digest(path) for path in sorted(tmp.iterdir()) if path.is_file()}
         (tmp / _META).write_text(json.dumps(meta, indent=1))
         for child in tmp.iterdir():
             fsync_file(child)
@@ -121,9 +143,10 @@ def remove_stale_builds(cache_dir: Path) -> list[Path]:
     return removed
 
 
-def _wait_for(entry: Path, failed: Path, poll_s: float) -> dict:
+def _wait_for(entry: Path, failed: Path, poll_s: float, damaged: bool = False) -> dict:
+    """The meta of `entry` once it is there (`damaged`: once it verifies again, rebuilt by local rank 0)."""
     started = last_note = time.monotonic()
-    while not (entry / _META).is_file():
+    while not (entry / _META).is_file() or (damaged and _damage_or_gone(entry)):
         if failed.is_file():
             raise DataError(f"preprocessing failed on the building rank: {failed.read_text()}")
         if time.monotonic() - last_note > 60:
@@ -136,6 +159,51 @@ def _wait_for(entry: Path, failed: Path, poll_s: float) -> dict:
 
 def _read_meta(entry: Path) -> dict:
     return json.loads((entry / _META).read_text())
+
+
+FULL_HASH_BYTES = 16 << 20
+"""Array files up to this size are hashed whole on every load; larger ones by SAMPLED_BLOCKS blocks."""
+SAMPLED_BLOCKS, BLOCK_BYTES = 256, 16 << 10
+
+
+def array_digest(path: Path) -> str:
+    """'<size>:<sha256>' of the file, or of its size and SAMPLED_BLOCKS evenly spaced blocks (the
+    first and the last included) when it is larger than FULL_HASH_BYTES: a load must stay cheap
+    (measured: docs/data.md), so a change between sampled blocks of a large file goes unseen."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        else:
+            stride = (size - BLOCK_BYTES) / (SAMPLED_BLOCKS - 1)
+            for index in range(SAMPLED_BLOCKS):
+                handle.seek(int(index * stride))
+                digest.update(handle.read(BLOCK_BYTES))
+    return f"{size}:{digest.hexdigest()}"
+
+
+def damaged_file(entry: Path, meta: dict) -> str | None:
+    """What is wrong with a cache entry's files (missing, or not matching the checksums in its
+    meta.json), or None. An entry written before checksums is taken as it is."""
+    for name, expected in meta.get("checksums", {}).items():
+        file = entry / name
+        if not file.is_file():
+            return f"{name} is missing"
+        found = array_digest(file)
+        if found != expected:
+            size, expected_size = found.split(":")[0], expected.split(":")[0]
+            return (f"{name} is {size} bytes ({expected_size} when it was built)" if size != expected_size else
+                    f"{name} does not match its checksum")
+    return None
+
+
+def _damage_or_gone(entry: Path) -> bool:
+    try:
+        return damaged_file(entry, _read_meta(entry)) is not None
+    except (OSError, ValueError):
+        return True
 
 
 class TokenWriter:

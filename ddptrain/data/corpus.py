@@ -18,7 +18,7 @@ import numpy as np
 
 from ddptrain.data import sft
 from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cache_key, default_cache_dir,
-                                 file_stamp, open_tokens)
+                                 file_stamp, open_tokens, relative_stamps)
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import DataSplits, TokenExamples, assign_splits
 from ddptrain.data.sources import (DataError, TextDecoder, expand_paths, hf_documents, is_validation, jsonl_documents,
@@ -86,7 +86,10 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     warn_replaced(meta.get("replaced_documents", 0), meta.get("replaced_example"))
     if is_sft:
         sft.warn_skips(meta, seq_len)
-    return DataSplits(splits["train"], splits["val"], vocab_size)
+    inputs = {"source": data_cfg.name, "train": relative_stamps(train_files), "val": relative_stamps(val_files),
+              "tokenizer": tokenizer.fingerprint(), "documents": splits["train"].documents,
+              "index": relative_stamps([index]) if index else None}
+    return DataSplits(splits["train"], splits["val"], vocab_size, inputs)
 
 
 def _vocab_size(data_cfg: Any, tokenizer, meta: dict) -> int:

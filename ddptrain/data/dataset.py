@@ -12,7 +12,7 @@ valid targets (`valid_targets`, `targets_per_example`) count only the masked-in 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
@@ -31,6 +31,9 @@ class DataSplits:
     train: TokenExamples
     val: TokenExamples
     vocab_size: int
+    fingerprint: dict = field(default_factory=dict)
+    """What defines the corpus, for the resume check (ddptrain/train/fingerprint.py): the sources
+    (names relative to their common directory, sizes, mtimes), the tokenizer's hash, the document count."""
 
 
 def assign_splits(names: list[str], docs: np.ndarray, is_val: np.ndarray, has_val_files: bool,

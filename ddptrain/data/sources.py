@@ -240,7 +240,12 @@ def hf_records(paths: list[Path], split: str, cache_dir: Path) -> tuple[str, Ite
         raise DataError("data=hf and data=sft on a dataset need the optional extra: pip install 'ddptrain[hf]' "
                         "(datasets)") from None
     if len(paths) == 1 and paths[0].is_dir():
-        dataset = datasets.load_from_disk(str(paths[0]))
+        try:
+            dataset = datasets.load_from_disk(str(paths[0]))
+        except FileNotFoundError as error:  # a directory, but not what save_to_disk writes
+            raise DataError(f"data.paths: {paths[0]} is a directory but not a Hugging Face dataset saved with "
+                            f"save_to_disk (no dataset_info.json / state.json, or dataset_dict.json: {error}); give "
+                            "that directory, or data files (.jsonl, .csv, .parquet, .txt)") from None
         if isinstance(dataset, datasets.DatasetDict):
             if split not in dataset:
                 raise DataError(f"{paths[0]}: the saved dataset has splits {sorted(dataset)}, not {split!r}")

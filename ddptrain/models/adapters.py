@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -36,7 +37,8 @@ from ddptrain.models import attention
 from ddptrain.models import hf  # imports no transformers by itself: only its functions do
 from ddptrain.models import lora  # nor peft
 from ddptrain.models.gpt import GPT, GPTConfig
-from ddptrain.models.spec import ModelError, ModelSpec, accepts_packed_rows, class_path, tied_parameters
+from ddptrain.models.spec import (ModelError, ModelSpec, accepts_packed_rows, check_packed_isolation, class_path,
+                                  tied_parameters)
 
 WEIGHTS_FILE = "model.safetensors"
 """The weights in final/ (every kind: transformers' save_pretrained writes this name too)."""
@@ -69,6 +71,8 @@ class ModelAdapter:
             raise ModelError(f"batch.pack=true needs a model whose forward takes positions= and segments= "
                              f"(attention inside each document); {type(model).__name__}.forward does not; "
                              "use batch.pack=false")
+        if pack:  # taking them is not honouring them: the probe HF models get, for every kind
+            check_packed_isolation(model, f"{type(model).__name__} ({self.kind} model)")
 
     def use_attention(self, model: nn.Module, backend: str, forced: bool) -> str:
         """Run packed rows through attention `backend` (ddptrain.models.attention.select_backend);
@@ -85,6 +89,11 @@ class ModelAdapter:
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         """Checkpoint every transformer block of `model` (see the module docstring)."""
         raise NotImplementedError
+
+    def architecture(self, model_cfg: Mapping) -> dict:
+        """What defines the architecture beyond the `model` config section (which resume already
+        compares key by key), for the run's fingerprint: nothing, but for model=hf."""
+        return {}
 
     def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> list[Path]:
         """What final/ needs to tokenize like this run: data.tokenizer's json, none for bytes."""
@@ -202,6 +211,11 @@ class HFAdapter(ModelAdapter):
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         hf.enable_activation_checkpointing(model)
 
+    def architecture(self, model_cfg: Mapping) -> dict:
+        """model.path's config.json, but for what says where or by which version it was written."""
+        config = json.loads((Path(model_cfg["path"]).expanduser() / "config.json").read_text())
+        return {key: value for key, value in config.items() if key not in ("_name_or_path", "transformers_version")}
+
     def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> list[Path]:
         """The model directory's tokenizer files, unless the run used another tokenizer.json."""
         source = Path(model_cfg["path"]).expanduser()
@@ -276,7 +290,11 @@ class CustomAdapter(ModelAdapter):
             raise ModelError(f"model._target_={target} does not take {', '.join(unknown)} (its arguments: "
                              f"{', '.join(params)}); with model=custom only the factory's arguments belong under "
                              "model.*")
-        module = factory(**kwargs)
+        try:
+            module = factory(**kwargs)
+        except Exception as error:  # noqa: BLE001 - the user's code: its error is theirs to fix, named
+            raise ModelError(f"model._target_={target} raised {type(error).__name__}: {error} (called with "
+                             f"{', '.join(sorted(kwargs)) or 'no arguments'})") from error
         if not isinstance(module, nn.Module):
             raise ModelError(f"model._target_={target} returned {type(module).__name__}, not a torch.nn.Module")
         return module

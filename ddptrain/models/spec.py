@@ -92,3 +92,72 @@ def num_parameters(module: nn.Module) -> int:
 def logits_of(output: Any) -> torch.Tensor:
     """The model contract: logits, or an object with `.logits` (a transformers ModelOutput)."""
     return output if isinstance(output, torch.Tensor) else output.logits
+
+
+CONTRACT_TOKENS = 16
+"""Positions of the one row the start-up contract check runs the model on (cheap on any model)."""
+
+
+def check_output_contract(model: nn.Module, inputs, vocab_size: int, what: str) -> None:
+    """The model contract on one real microbatch's first row (at most CONTRACT_TOKENS positions):
+    `model(inputs)` returns logits (B, T, V) with V >= vocab_size (every token id of the data has a
+    column), or an object whose `.logits` has that shape; else a ModelError naming `what` (the
+    model's config), the shape it gave and the rule. Eval mode and no grad, so nothing of the run
+    changes (no BatchNorm statistics, no dropout draw)."""
+    if isinstance(inputs, dict):
+        sample = {name: value[:1, :CONTRACT_TOKENS] for name, value in inputs.items()}
+        rows, positions = next(iter(sample.values())).shape
+    else:
+        sample = inputs[:1, :CONTRACT_TOKENS]
+        rows, positions = sample.shape
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(**sample) if isinstance(sample, dict) else model(sample)
+    except Exception as error:  # noqa: BLE001 - the user's model: name it and the contract
+        raise ModelError(f"{what}: the forward pass on a ({rows}, {positions}) batch of token ids raised "
+                         f"{type(error).__name__}: {error} (the model contract: model(inputs) -> logits (B, T, V))") \
+            from error
+    finally:
+        model.train(training)
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise ModelError(f"{what} returned {type(output).__name__}, not logits: the model contract is model(inputs) "
+                         "-> a tensor (B, T, V) or an object with .logits of that shape")
+    shape = tuple(logits.shape)
+    if len(shape) != 3 or shape[:2] != (rows, positions) or shape[2] < vocab_size:
+        raise ModelError(f"{what} returned logits of shape {shape} for inputs of shape ({rows}, {positions}); the model "
+                         f"contract is (B, T) -> (B, T, V) = ({rows}, {positions}, V) with V >= {vocab_size}, the "
+                         "data's vocabulary (one column per token id, aligned with the targets: nothing shifts them)")
+
+
+def check_packed_isolation(model: nn.Module, what: str) -> None:
+    """Refuse batch.pack unless a packed row computes each document exactly as if it were alone:
+    one small forward on CPU of two documents packed in a row (idx, positions, segments) against
+    each document on its own row. A forward that takes positions= and segments= but ignores them,
+    or an attention that does not honour them, attends across documents; the signature cannot tell,
+    this probe does. A forward that raises on packed rows is refused the same way."""
+    lengths = (5, 7)
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    vocab = embedding.num_embeddings if embedding is not None else 2
+    ids = torch.randint(0, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = logits_of(model(idx=ids, positions=positions, segments=segments))
+            alone = torch.cat([logits_of(model(idx=ids[:, start:start + n], positions=torch.arange(n)[None],
+                                               segments=torch.zeros(1, n, dtype=torch.long)))
+                               for start, n in zip((0, lengths[0]), lengths)], dim=1)
+    except Exception as error:  # noqa: BLE001 - the user's model, or an attention that cannot take packed rows
+        raise ModelError(f"batch.pack=true: {what} fails on packed rows (idx, positions, segments): "
+                         f"{type(error).__name__}: {error}; use batch.pack=false") from error
+    finally:
+        model.train(was_training)
+    difference = float((packed.double() - alone.double()).abs().max()) if packed.shape == alone.shape else float("inf")
+    if not difference <= 1e-4:
+        raise ModelError(f"batch.pack=true: {what} does not keep attention inside each packed document (logits differ "
+                         f"by {difference:.3g} from each document alone); use batch.pack=false")

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from ddptrain.serving.generate import Completion, RequestError
+from ddptrain.serving.generate import Completion, RequestError, check_text
 
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = ("role", "content")
@@ -48,6 +48,7 @@ def check_messages(messages) -> list[dict]:
                 if isinstance(message["content"], list) else ""
             raise RequestError(f"{where}.content", f"{where}.content must be a string, not "
                                                    f"{type(message['content']).__name__}{parts}")
+        check_text(message["content"], f"{where}.content")
     return [{"role": message["role"], "content": message["content"]} for message in messages]
 
 

@@ -48,6 +48,16 @@ class RequestError(ValueError):
         self.field = field_name
 
 
+def check_text(text: str, field_name: str) -> None:
+    """RequestError unless `text` is valid Unicode (a lone surrogate, as JSON's "\\udc80" or a
+    non-UTF-8 byte on a command line gives, cannot be encoded, so no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(field_name, f"{field_name} is not valid Unicode text: {error.reason} "
+                                       f"{text[error.start]!r} at character {error.start}; send UTF-8 text") from None
+
+
 class QueueFull(RuntimeError):
     """As many requests as the server holds are already in flight."""
 
@@ -324,6 +334,7 @@ class Generator:
         """The prompt's token ids, or RequestError when the request cannot fit the model."""
         if not isinstance(prompt, str):
             raise RequestError("prompt", f"prompt must be a string, not {type(prompt).__name__}")
+        check_text(prompt, "prompt")
         ids = self.tokenizer.encode(prompt).ids
         self.check_fits(ids, params)
         return ids
@@ -487,6 +498,7 @@ async def _generate(args) -> int:
     generator = Generator(servable_dir(args.path), max_active=len(args.prompt), device=args.device)
     requests = []
     for prompt in args.prompt:
+        check_text(prompt, "--prompt")
         max_tokens = args.max_tokens
         if max_tokens is None:  # as many as fit, at most 256
             fits = generator.context - len(generator.tokenizer.encode(prompt).ids) if generator.context else 256

@@ -105,12 +105,14 @@ def _source_stamp(run_dir: Path) -> dict:
 
 
 def _from_run(run_dir: Path) -> Path:
-    from ddptrain.export import export
+    from ddptrain.export import ExportError, export
+    from ddptrain.models.spec import ModelError
+    from ddptrain.train.checkpoint import CheckpointError
 
     out = run_dir / SERVABLE
     try:
         stamp = _source_stamp(run_dir)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, CheckpointError) as error:
         raise ServableError(str(error)) from None
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
@@ -118,7 +120,10 @@ def _from_run(run_dir: Path) -> Path:
     # Build beside it and rename into place: a reader sees the old or the new directory, never a mix.
     staging = Path(tempfile.mkdtemp(prefix=f".{SERVABLE}.", dir=run_dir))
     try:
-        export(run_dir, staging / "model", merge=True)  # a LoRA run serves its merged weights
+        try:
+            export(run_dir, staging / "model", merge=True)  # a LoRA run serves its merged weights
+        except (ExportError, CheckpointError, ModelError) as error:  # a custom model, a damaged final/
+            raise ServableError(f"{run_dir} cannot be served: {error}") from None
         model_dir = staging / "model"
         if not (model_dir / "tokenizer.json").is_file():
             _add_run_tokenizer(run_dir, model_dir)

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddptrain.serving.access import API_KEY_ENV, AccessError, RequireApiKey, describe_access, resolve_api_key
 from ddptrain.serving.chat import RENDERED, ChatBodies, ChatTemplate, check_messages
 from ddptrain.serving.generate import (Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams,
                                        quiet_transformers)
@@ -147,10 +148,12 @@ async def _wait_for_disconnect(request) -> None:
         pass
 
 
-def build_app(generator: Generator):
-    """The FastAPI app; its lifespan starts the generator's decoding loop and closes it."""
+def build_app(generator: Generator, api_key: str | None = None):
+    """The FastAPI app; its lifespan starts the generator's decoding loop and closes it. With
+    `api_key`, every endpoint but /health requires it (ddptrain/serving/access.py)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -161,6 +164,8 @@ def build_app(generator: Generator):
             generator.close()
 
     app = FastAPI(title="ddptrain serve", lifespan=lifespan)
+    if api_key is not None:
+        app.add_middleware(RequireApiKey, api_key=api_key)
     app.state.generator = generator
     model = generator.model_name
 
@@ -181,10 +186,21 @@ def build_app(generator: Generator):
     app.state.chat_template = chat_template
     text_bodies, chat_bodies = TextBodies(model), ChatBodies(model)
 
+    async def body_of(request: Request) -> bytes | None:
+        """The request body; None when the client went away before sending all of it (nobody to
+        answer: an info line, not an ERROR with a traceback per disconnect)."""
+        try:
+            return await request.body()
+        except ClientDisconnect:
+            log.info("client %s disconnected before sending its whole request", request.client)
+            return None
+
     @app.post("/v1/completions")
     async def completions(request: Request):
+        if (body := await body_of(request)) is None:
+            return Response(status_code=499)
         try:
-            prompt, params, stream = parse_completion_request(await request.body())
+            prompt, params, stream = parse_completion_request(body)
             prompt_ids = generator.prepare(prompt, params)
         except RequestError as error:
             return _error(400, str(error), error.field)
@@ -192,8 +208,10 @@ def build_app(generator: Generator):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        if (body := await body_of(request)) is None:
+            return Response(status_code=499)
         try:
-            messages, fields, stream = parse_chat_request(await request.body())
+            messages, fields, stream = parse_chat_request(body)
             prompt_ids = chat_template.render(messages)
             params = chat_params(generator, prompt_ids, fields)
         except RequestError as error:
@@ -269,7 +287,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="requests waiting beyond those; more get 429 (default: 256)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--kv-cache-mb", type=float, default=1024.0, help="KV cache bound in MiB (default: 1024)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require Authorization: Bearer KEY on every endpoint but /health (or ${API_KEY_ENV})")
+    parser.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="serve a non-loopback --host without an API key")
     args = parser.parse_args(argv)
+    try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+        access = describe_access(args.host, api_key, args.allow_unauthenticated)  # before loading any model
+    except AccessError as error:
+        print(f"serve error: {error}", file=sys.stderr)
+        sys.exit(2)
     import uvicorn
 
     from ddptrain.serving.servable import ServableError, servable_dir
@@ -283,9 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ServableError, FileNotFoundError, ValueError) as error:
         print(f"serve error: {error}", file=sys.stderr)
         sys.exit(2)
-    log.info("serving %s (context %s tokens, %s) on http://%s:%d", directory, generator.context, generator.device,
-             args.host, args.port)
-    uvicorn.run(build_app(generator), host=args.host, port=args.port, log_level="warning",
+    log.info("serving %s (context %s tokens, %s) on http://%s:%d, %s", directory, generator.context, generator.device,
+             args.host, args.port, access)
+    uvicorn.run(build_app(generator, api_key), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
 
 

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.config.choices import DDPOptions
 from ddptrain.distributed import is_distributed
+from ddptrain.fsutil import load_torch
 from ddptrain.strategies.base import Strategy
 
 MODEL_FILE = "model.pt"
@@ -107,7 +108,7 @@ class DDPStrategy(Strategy):
         else:  # the frozen parameters are the model's own (its build restored them)
             missing, unexpected = self._module.load_state_dict(weights, strict=False)
             self.check_loaded(missing, unexpected, self.frozen_names(self._module), directory)
-        state = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=False)
+        state = load_torch(directory / OPTIMIZER_FILE)  # tensors and plain containers: weights_only
         self.load_state_dict(state)
 
     @staticmethod

@@ -19,12 +19,12 @@ from torch import nn
 
 from ddptrain.config.validation import grad_accum_steps, strategy_options
 from ddptrain.data import DataSplits, TrainBatches, load_splits
-from ddptrain.distributed import DistInfo, pick_device
+from ddptrain.distributed import DistInfo, pick_device, raise_on_every_rank
 from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import Objective
 from ddptrain.models.adapters import ModelAdapter, adapter_for
 from ddptrain.models import attention
-from ddptrain.models.spec import ModelSpec
+from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract
 from ddptrain.models.compiling import compile_model
 from ddptrain.train.optim import build_optimizer, build_scheduler
 
@@ -74,11 +74,13 @@ def train_batches(cfg, data: DataSplits, dist_info: DistInfo) -> TrainBatches:
                         dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len)
 
 
-def build_model(cfg, vocab_size: int, device: torch.device | None = None,
-                precision: str | None = None) -> tuple[nn.Module, ModelSpec, ModelAdapter]:
+def build_model(cfg, vocab_size: int, device: torch.device | None = None, precision: str | None = None,
+                sample_inputs=None) -> tuple[nn.Module, ModelSpec, ModelAdapter]:
     """The configured model with the same initial weights on every rank, checked by its adapter
-    (packing, context length), with packed rows' attention backend for `device` and `precision`
-    (default: the run's), activation checkpointing and compile when configured."""
+    (packing, context length) and against the model contract on `sample_inputs` (a real
+    microbatch's token ids; every rank agrees on the verdict), with packed rows' attention backend
+    for `device` and `precision` (default: the run's), activation checkpointing and compile when
+    configured."""
     torch.manual_seed(cfg.run.seed)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     adapter = adapter_for(model_cfg)
@@ -86,6 +88,15 @@ def build_model(cfg, vocab_size: int, device: torch.device | None = None,
     if cfg.batch.pack:
         use_packed_attention(cfg, adapter, model, device or pick_device(0), precision or cfg.trainer.precision)
     adapter.check_model(model, model_cfg, cfg.batch.seq_len, cfg.batch.pack)
+    error = None
+    if sample_inputs is not None:
+        what = f"{type(model).__name__} (model.{'_target_' if '_target_' in model_cfg else 'name'}=" \
+               f"{model_cfg.get('_target_', model_cfg.get('name'))})"
+        try:
+            check_output_contract(model, sample_inputs, vocab_size, what)
+        except ModelError as caught:
+            error = caught
+    raise_on_every_rank(error, ModelError)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     if trainable < total:  # model.lora: only the adapter trains
@@ -129,17 +140,21 @@ def step_layout(cfg, world_size: int) -> dict:
 
 
 def describe_layout(cfg, world_size: int) -> str:
-    """The step's layout in words, for the start-up summary and verify's report."""
+    """The step's layout in words, for the start-up summary and verify's report: "global batch 8
+    sequences = micro 2 x accumulation 2 x world 2" where the product is the global batch, else
+    (token budgets, packing: rows per step vary) what the global batch is split into."""
     batch = cfg.batch
+    whole = f"global batch {batch.global_size} sequences"
     if batch.micro_tokens is None and not batch.pack:
         accumulation = grad_accum_steps(batch.global_size, batch.micro_size, world_size)
-        return f"micro {batch.micro_size} x accumulation {accumulation} x world {world_size}"
+        return f"{whole} = micro {batch.micro_size} x accumulation {accumulation} x world {world_size}"
     budget = (f"microbatches of <= {batch.micro_tokens} padded tokens" if batch.micro_tokens
               else f"{batch.micro_size} rows per microbatch")
-    packed = f"packed rows of {batch.seq_len} tokens, " if batch.pack else ""
+    packed = f"packed into rows of {batch.seq_len} tokens, " if batch.pack else "in "
     if batch.pack and cfg.data.name == "sft":
+        whole = f"global batch {batch.global_size} conversations"
         packed = f"each step's conversations packed whole into rows of <= {batch.seq_len} tokens, "
-    return f"{packed}{budget}, world {world_size}"
+    return f"{whole}, {packed}{budget}, world {world_size} (the number of microbatches varies by step and rank)"
 
 
 def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, precision: str | None = None,
@@ -151,8 +166,12 @@ def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, preci
     torch.manual_seed(cfg.run.seed)
     data = load_data(cfg, dist_info)
     batches = train_batches(cfg, data, dist_info)
+    microbatches = batches.microbatches(0)  # a rank may hold none: the others check
+    sample = microbatches[0][0] if microbatches else None
+    if isinstance(sample, dict):  # packed rows: the contract is on token ids (the packing probe checks the rest)
+        sample = sample["idx"]
     model, spec, adapter = build_model(cfg, data.vocab_size, device or dist_info.device,
-                                       precision or cfg.trainer.precision)
+                                       precision or cfg.trainer.precision, sample_inputs=sample)
     if prepare is not None:
         prepare(model)
     optimizer, scheduler = optimizer_and_schedule(cfg, model)

@@ -35,9 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from ddptrain.distributed import barrier, first_failure, get_rank, get_world_size, is_rank_zero
-from ddptrain.fsutil import describe_write_error, fsync_dir, fsync_file, save_torch, sha256_file
+from ddptrain.fsutil import (UnsafeFileError, describe_write_error, fsync_dir, fsync_file, load_torch, save_torch,
+                             sha256_file)
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
             save_state(tmp / STATE_DIR)
         if failpoint is not None:
             failpoint()
-    except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+    except (Exception, DCPException) as caught:  # noqa: BLE001 - any write error must reach every rank
         error = _write_error(step, caught, tmp)
     _fail_together(error, tmp)
     digests: dict[str, str] = {}
@@ -163,10 +165,10 @@ class PendingCheckpoint:
         error, digests = None, {}
         try:
             digests = {**self._digests, **self._hashed.result()}
-        except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+        except (Exception, DCPException) as caught:  # noqa: BLE001 - any write error must reach every rank
             error = _write_error(self.step, caught, self.tmp)
         finally:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(wait=True)  # its one task is done (result() returned or raised): joins the thread
         _fail_together(error, self.tmp)
         _commit(self.step, self.tmp, self.final, digests)
         return self.final
@@ -190,7 +192,7 @@ def start_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
         pending = PendingCheckpoint(step, tmp, final, _digests(tmp, small), writing)
         if failpoint is not None:
             failpoint()
-    except Exception as caught:  # noqa: BLE001 - any write error must reach every rank
+    except (Exception, DCPException) as caught:  # noqa: BLE001 - any write error must reach every rank
         error = _write_error(step, caught, tmp)
     _fail_together(error, tmp)
     return pending
@@ -198,26 +200,62 @@ def start_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
 
 def _open(run_dir: str | Path, step: int) -> tuple[Path, Path | None]:
     """Collective: (the final directory, a fresh temporary one to write into), or (final, None)
-    when that step is already complete. Rank 0 decides and tells the others."""
+    when that step is already saved and verifies. A step directory that does not verify (a damaged
+    file, or no marker: a save that never finished) is moved aside and written again: it never
+    counts as saved and never blocks the rename. Rank 0 decides and tells the others."""
     root = checkpoint_dir(run_dir)
     final = root / step_name(step)
     tmp = root / f".tmp-{step_name(step)}"
-    decided: list = [None, None]  # (already complete, error)
+    damage = _damage(final)
+    if damage is None:
+        return final, None
+    error = None
     if is_rank_zero():
         try:
-            decided[0] = (final / MARKER).is_file()
-            if not decided[0]:
-                root.mkdir(parents=True, exist_ok=True)
-                if tmp.exists():
-                    shutil.rmtree(tmp)  # left by a run killed while writing
-                tmp.mkdir()
-        except OSError as error:
-            decided[1] = f"step {step}: cannot create {tmp}: {describe_write_error(error, root)}"
+            root.mkdir(parents=True, exist_ok=True)
+            if damage:
+                aside = _move_aside(final)
+                log.warning("the checkpoint of step %d in %s does not verify (%s): moved to %s and written again",
+                            step, final, damage, aside.name)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a run killed while writing
+            tmp.mkdir()
+        except OSError as caught:
+            error = CheckpointError(f"step {step}: cannot create {tmp}: {describe_write_error(caught, root)}")
+    failure = first_failure(error)
+    if failure is not None:
+        raise error if error is not None else CheckpointError(failure[1].removeprefix("CheckpointError: "))
+    return final, tmp
+
+
+def _damage(final: Path) -> str | None:
+    """Collective: None when the step directory `final` is a checkpoint that verifies (every rank
+    hashes its share), "" when there is no such directory, else what is wrong with it."""
+    present: list = [final.exists() and (final / MARKER).is_file(), final.exists()]
     if dist.is_initialized():
-        dist.broadcast_object_list(decided, src=0)
-    if decided[1] is not None:
-        raise CheckpointError(decided[1])
-    return final, None if decided[0] else tmp
+        dist.broadcast_object_list(present, src=0)
+    has_marker, exists = present
+    if not exists:
+        return ""
+    if not has_marker:
+        return f"no {MARKER}: a save that never finished"
+    error = None
+    try:
+        verify(final, get_rank(), get_world_size())
+    except Exception as caught:  # noqa: BLE001 - every rank must hear of it
+        error = caught
+    failure = first_failure(error)
+    return None if failure is None else failure[1].removeprefix("CheckpointError: ")
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a step directory that does not verify to `.bad-<name>` (hidden from resume and purge;
+    an earlier one of that step is replaced)."""
+    aside = path.with_name(f".bad-{path.name}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    os.replace(path, aside)
+    return aside
 
 
 def _write_small_files(tmp: Path, trainer_state: dict | None) -> None:
@@ -227,8 +265,26 @@ def _write_small_files(tmp: Path, trainer_state: dict | None) -> None:
 
 
 def _write_error(step: int, caught: BaseException, tmp: Path) -> CheckpointError:
+    """DCP's CheckpointException is a BaseException holding each rank's failure: the first OSError
+    among them (a full disk) is the one to name."""
+    caught = _root_cause(caught)
     return CheckpointError(f"checkpoint of step {step} could not be written: {describe_write_error(caught, tmp)}; "
                            "the previous checkpoint is kept")
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The first OSError inside DCP's (possibly nested) CheckpointException, else its first line as a
+    RuntimeError (its text carries every rank's traceback)."""
+    pending = [error]
+    while pending:
+        current = pending.pop(0)
+        if isinstance(current, OSError):
+            return current
+        if isinstance(current, DCPException):
+            pending += [failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values()]
+        elif current.__cause__ is not None or current.__context__ is not None:
+            pending.append(current.__cause__ or current.__context__)
+    return RuntimeError(str(error).splitlines()[0]) if isinstance(error, DCPException) else error
 
 
 def _digests(tmp: Path, files: list[Path]) -> dict[str, str]:
@@ -275,15 +331,16 @@ def _fail_together(error: BaseException | None, tmp: Path) -> None:
     raise CheckpointError(f"rank {rank}: {message.removeprefix('CheckpointError: ')}")
 
 
-def purge(run_dir: str | Path, keep: int, protect: Path | None = None) -> None:
-    """Delete all but the newest `keep` complete checkpoints (rank 0), never `protect` (the one
-    just written). Never fails training."""
+def purge(run_dir: str | Path, keep: int, protect: Path) -> None:
+    """Delete complete checkpoints older than `protect` (the one just written, which verifies) but
+    the newest `keep` counted from it (rank 0). Checkpoints newer than `protect` (ones that did not
+    verify on resume, or the future of an older one resumed on purpose) are neither counted nor
+    deleted: the newest checkpoint that verifies is never removed. Never fails training."""
     if not is_rank_zero() or keep <= 0:
         return
-    complete = [path for _, path in list_checkpoints(run_dir) if (path / MARKER).is_file()]
-    for path in complete[:-keep] if len(complete) > keep else []:
-        if protect is not None and path.resolve() == Path(protect).resolve():
-            continue
+    protect_step = int(_NAME.match(Path(protect).name).group(1))
+    older = [path for step, path in list_checkpoints(run_dir) if step < protect_step and (path / MARKER).is_file()]
+    for path in older[:len(older) - (keep - 1)] if len(older) > keep - 1 else []:
         try:
             shutil.rmtree(path)
         except OSError as error:  # a failed purge only costs disk space
@@ -375,11 +432,16 @@ def _candidates(run_dir: str | Path, resume: str) -> list[str]:
         return []
     if resume == "auto":
         return [str(path) for _, path in reversed(list_checkpoints(run_dir))]
+    check_resume_path(resume, run_dir)
+    return [str(Path(resume).expanduser())]
+
+
+def check_resume_path(resume: str, run_dir: str | Path) -> None:
+    """A CheckpointError when checkpoint.resume names a path that does not exist."""
     path = Path(resume).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist (checkpoint.resume takes auto, none or a checkpoint directory "
-                              f"such as {checkpoint_dir(run_dir) / step_name(100)})")
-    return [str(path)]
+    if resume not in ("auto", "none") and not path.exists():
+        raise CheckpointError(f"{path} does not exist (checkpoint.resume takes auto, none "
+                              f"or a checkpoint directory such as {checkpoint_dir(run_dir) / step_name(100)})")
 
 
 def state_dir(path: Path) -> Path:
@@ -411,7 +473,9 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 def load_trainer_state(path: Path) -> dict:
     file = path / "trainer.pt"
     try:
-        return torch.load(file, map_location="cpu", weights_only=False)
+        return load_torch(file)
+    except UnsafeFileError as error:
+        raise CheckpointError(str(error)) from error
     except Exception as error:  # torch raises many kinds on a damaged zip
         raise CheckpointError(f"{file} could not be loaded: {error}") from error
 
@@ -424,4 +488,7 @@ def load_rng_for_rank(path: Path, rank: int, world_size: int, saved_world_size: 
             log.warning("resuming on %d ranks from a checkpoint of %d ranks: RNG states are not restored "
                         "(the data order is global and unaffected)", world_size, saved_world_size)
         return
-    load_rng_state(torch.load(file, map_location="cpu", weights_only=False))
+    try:
+        load_rng_state(load_torch(file))
+    except UnsafeFileError as error:
+        raise CheckpointError(str(error)) from error

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -26,10 +27,10 @@ from ddptrain.models.spec import ModelSpec
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.builder import decay_steps
 from ddptrain.train.faults import FaultInjector
-from ddptrain.train.final import SPEC_FILE, final_dir, save_final
+from ddptrain.train.final import SPEC_FILE, final_dir, save_final, verify_final
 from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, model_defaults,
                                    reset_learning_rate)
-from ddptrain.train.rundir import RunDirLock, RunDirLocked, move_previous_run_aside
+from ddptrain.train.rundir import RunDirError, RunDirLock, RunDirLocked, move_previous_run_aside
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +51,36 @@ class Checkpointer:
     # -- the run directory ---------------------------------------------------------------------
 
     def lock(self) -> None:
-        """Rank 0 takes the run dir's lock; a live holder fails every rank at start-up, by name."""
+        """Rank 0 takes the run dir's lock; a live holder, or a run.dir that cannot be created or
+        written, fails every rank at start-up, by name. An explicit checkpoint.resume path that does
+        not exist is refused first, so that nothing is created."""
+        ckpt.check_resume_path(self.cfg.checkpoint.resume, self.run_dir)  # every rank alike, no collective
         error = None
         if is_rank_zero():
             try:
                 self._lock = RunDirLock(self.run_dir).acquire()
-            except (RunDirLocked, OSError) as caught:
+            except RunDirLocked as caught:
                 error = caught
-        raise_on_every_rank(error, RunDirLocked)
+            except OSError as caught:
+                error = RunDirError(f"run.dir={self.run_dir} cannot be used: {describe_write_error(caught, self.run_dir)}"
+                                    " (it must be a writable directory, or a path where one can be created)")
+        raise_on_every_rank(error, RunDirError)
 
     def write_run_files(self) -> None:
-        """config.yaml (the resolved config) and train.log (the console log), on rank 0."""
+        """train.log (the console log), on rank 0."""
         if is_rank_zero():
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
             self._file_log = logging.FileHandler(self.run_dir / "train.log")
             self._file_log.addFilter(Rank0Filter())
             self._file_log.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
             logging.getLogger("ddptrain").addHandler(self._file_log)
         barrier()
+
+    def write_config(self) -> None:
+        """config.yaml (the resolved config), on rank 0: only once the launch is accepted (resumed
+        or started afresh), so a refused launch leaves the run's config as it was."""
+        if is_rank_zero():
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
 
     def close(self) -> None:
         if self._lock is not None:
@@ -191,10 +203,17 @@ class Checkpointer:
     # -- final weights -------------------------------------------------------------------------
 
     def final_is_current(self, step: int) -> bool:
-        try:
-            return json.loads((final_dir(self.run_dir) / SPEC_FILE).read_text())["step"] == step
-        except (OSError, ValueError, KeyError):
-            return False
+        """Collective: whether final/ holds this step's weights and verifies (rank 0 checks; a
+        final/ that does not verify is said and rebuilt from this step's state)."""
+        decided = [False]
+        if is_rank_zero() and _final_step(self.run_dir) == step:  # another step's: rewritten without hashing it
+            try:
+                decided[0] = verify_final(final_dir(self.run_dir))["step"] == step
+            except ckpt.CheckpointError as error:
+                log.warning("%s: final/ is rebuilt from the state of step %d", error, step)
+        if dist.is_initialized():
+            dist.broadcast_object_list(decided, src=0)
+        return decided[0]
 
     def save_final(self, step: int, engine: Engine, model: nn.Module, spec: ModelSpec, adapter: ModelAdapter) -> Path:
         """Collective: gathers the full weights (every strategy) and rank 0 writes run.dir/final/."""
@@ -219,6 +238,13 @@ class Checkpointer:
                                              f"{describe_write_error(caught, path)}")
         raise_on_every_rank(error, ckpt.CheckpointError)
         return path
+
+
+def _final_step(run_dir: Path) -> int | None:
+    try:
+        return json.loads((final_dir(run_dir) / SPEC_FILE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _check_finite(weights: dict[str, torch.Tensor], step: int, consequence: str) -> None:

@@ -9,7 +9,9 @@
         config.json ...        model=hf: the directory is exactly a transformers save_pretrained one
 
 It is written under a temporary name and renamed into place, so a reader sees the old or the new
-weights, never a mix.
+weights, never a mix. ddptrain_model.json is its marker: it holds a sha256 of every other file,
+which `verify_final` checks (a rerun of the training command rebuilds a final/ that does not
+verify; load_model, export and serving name the bad file).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from ddptrain.models.adapters import WEIGHTS_FILE, adapter_of, load_weights
 from ddptrain.models.spec import ModelSpec
+from ddptrain.fsutil import sha256_file
 from ddptrain.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -49,10 +52,12 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
     adapter_of(spec).save_final(module, state_dict, tmp, spec)
     for file in tokenizer_files:
         shutil.copy2(file, tmp / file.name)
-    (tmp / SPEC_FILE).write_text(json.dumps({**spec.to_dict(), "step": step}, indent=1))
-    for path in tmp.iterdir():
-        with open(path, "rb+") as handle:
-            os.fsync(handle.fileno())
+    digests = {str(path.relative_to(tmp)): sha256_file(path) for path in sorted(tmp.rglob("*")) if path.is_file()}
+    (tmp / SPEC_FILE).write_text(json.dumps({**spec.to_dict(), "step": step, "sha256": digests}, indent=1))
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            with open(path, "rb+") as handle:
+                os.fsync(handle.fileno())
     old = final.with_name(f".old-{FINAL}")
     if final.exists():
         if old.exists():
@@ -63,13 +68,37 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
     return final
 
 
+def verify_final(directory: Path) -> dict:
+    """The marker (ddptrain_model.json) of a final/ whose files match their checksums, else a
+    CheckpointError naming the file. A final/ written before the checksums verifies its marker alone."""
+    marker = directory / SPEC_FILE
+    try:
+        meta = json.loads(marker.read_text())
+        meta["step"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ckpt.CheckpointError(f"{marker} is unreadable: {error!r}") from error
+    for name, expected in meta.get("sha256", {}).items():
+        file = directory / name
+        if not file.is_file():
+            raise ckpt.CheckpointError(f"{file} is missing")
+        if sha256_file(file) != expected:
+            raise ckpt.CheckpointError(f"{file} is corrupted: its sha256 does not match {SPEC_FILE}")
+    return meta
+
+
 def weights_dir(run_dir: str | Path) -> Path:
-    """`final/` when it is there, else the newest complete checkpoint; a clear error if neither."""
+    """`final/` when it is there, else the newest complete checkpoint; a clear error if neither,
+    or if final/ does not verify (naming the file, and how to rebuild it)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
     final = final_dir(run_dir)
     if (final / SPEC_FILE).is_file():
+        try:
+            verify_final(final)
+        except ckpt.CheckpointError as error:
+            raise ckpt.CheckpointError(f"{error}; rerun the training command of {run_dir} to rebuild {FINAL}/ from "
+                                       "its newest checkpoint") from error
         return final
     latest = ckpt.find_latest(run_dir)
     if latest is None:

@@ -43,11 +43,14 @@ class PreemptionWatcher:
         for signum in self._signals:
             self._previous[signum] = signal.signal(signum, self._handle)
         self._wakeup = None
+        self._watchdog: threading.Thread | None = None
         if grace_s is not None and self._signals and threading.current_thread() is threading.main_thread():
             read_fd, write_fd = os.pipe()
             os.set_blocking(write_fd, False)
             self._wakeup = (read_fd, write_fd, signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False))
-            threading.Thread(target=self._watch, args=(read_fd,), name="preemption-watchdog", daemon=True).start()
+            self._watchdog = threading.Thread(target=self._watch, args=(read_fd,), name="preemption-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
@@ -94,6 +97,9 @@ class PreemptionWatcher:
         if self._wakeup is not None:
             read_fd, write_fd, previous = self._wakeup
             signal.set_wakeup_fd(previous)
-            os.close(write_fd)
+            os.close(write_fd)  # the watchdog's read returns: it ends, and is joined before its fd closes
+            if self._watchdog is not None:
+                self._watchdog.join(timeout=5)
+                self._watchdog = None
             os.close(read_fd)
             self._wakeup = None

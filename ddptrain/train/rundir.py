@@ -31,7 +31,11 @@ HEARTBEAT_S = 10.0
 STALE_AFTER_S = 60.0
 
 
-class RunDirLocked(RuntimeError):
+class RunDirError(RuntimeError):
+    """run.dir cannot be used (a file, a read-only filesystem, held by another run); the message says why."""
+
+
+class RunDirLocked(RunDirError):
     """Another live run holds the run directory; the message names it."""
 
 
@@ -130,6 +134,9 @@ class RunDirLock:
 
     def release(self) -> None:
         self._stop.set()
+        if self._thread is not None:  # joined: no thread of ours outlives the run (issue 23, item 17)
+            self._thread.join(timeout=5)
+            self._thread = None
         try:
             holder = json.loads(self.path.read_text())
             if holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:

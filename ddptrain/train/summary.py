@@ -28,8 +28,8 @@ def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, 
     peak = f"{window.peak_flops:.3g} FLOP/s per device" if window.peak_flops else "unknown (MFU not reported)"
     mean_targets = train.valid_targets() / len(train)
     log.info("world: %d rank(s) on %d node(s) | device: %s | peak %s", d.world_size, nodes, device, peak)
-    log.info("strategy: %s | precision %s | global batch %d sequences = %s", cfg.strategy.name,
-             cfg.trainer.precision, cfg.batch.global_size, describe_layout(cfg, d.world_size))
+    log.info("strategy: %s | precision %s | %s", cfg.strategy.name, cfg.trainer.precision,
+             describe_layout(cfg, d.world_size))
     log.info("tokens per step: up to %d (seq_len %d), about %.0f valid targets on average",
              cfg.batch.global_size * cfg.batch.seq_len, cfg.batch.seq_len, cfg.batch.global_size * mean_targets)
     flops, parameters = window.model_flops, num_parameters(built.model)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ddptrain.train import builder
 from ddptrain.train.checkpointer import Checkpointer
 from ddptrain.train.evaluator import Evaluator
 from ddptrain.train.faults import FaultInjector
+from ddptrain.train.fingerprint import check_fingerprint, run_fingerprint
 from ddptrain.train.flops import ModelFlops, device_peak_flops
 from ddptrain.train.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
 from ddptrain.train.preemption import Preempted, PreemptionWatcher
@@ -74,6 +76,8 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.preemption: PreemptionWatcher | None = None
         self._unread: list[tuple[int, StepStats]] = []
+        self.fingerprint: dict = {}
+        self._started = time.perf_counter()
 
     @property
     def step(self) -> int:
@@ -91,6 +95,7 @@ class Trainer:
 
     def build(self) -> "Trainer":
         cfg = self.cfg
+        self._started = time.perf_counter()
         self.checkpointer.lock()
         if self.dist.device.type == "cuda" and cfg.trainer.precision == "fp32":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls: fp32 runs use the tensor cores
@@ -99,9 +104,11 @@ class Trainer:
         self.checkpointer.write_run_files()
         self.built = builder.build(cfg, self.dist)
         log_equivalence_caveats(self.built.model)  # batch-dependent or stochastic modules: rank 0 warns once
+        self._fingerprint_inputs(saved)
         if saved:
             self.checkpointer.restore(saved, self.engine, self.train_batches.plan.samples_seen, self.built.spec)
             self.state.load_state_dict(saved)
+        self.checkpointer.write_config()  # the launch is accepted
         self.evaluator = Evaluator(self.built.data.val, cfg.trainer.eval_examples, cfg.batch.micro_size,
                                    cfg.trainer.eval_every, cfg.trainer.max_steps, self.dist)
         peak_flops = device_peak_flops(self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops)
@@ -116,6 +123,19 @@ class Trainer:
                                             check_every=cfg.checkpoint.preempt_check_every)
         log_summary(cfg, self.dist, self.built, self.metrics, self.step)
         return self
+
+    def _fingerprint_inputs(self, saved: dict) -> None:
+        """The run's inputs beyond its config (model=hf's config.json, the corpus), for checkpoints;
+        on resume compared with the checkpoint's (a difference is refused by name, or a changed
+        corpus accepted with checkpoint.accept_changed_data). Its cost is logged."""
+        started = time.perf_counter()
+        model_cfg = OmegaConf.to_container(self.cfg.model, resolve=True)
+        self.fingerprint = run_fingerprint(self.built.adapter.architecture(model_cfg), self.built.data.fingerprint)
+        if saved:
+            check_fingerprint(saved.get("fingerprint"), self.fingerprint, self.cfg.checkpoint.accept_changed_data)
+        log.info("inputs fingerprinted%s in %.2f ms (%.3f%% of start-up so far)", " and compared" if saved else "",
+                 1e3 * (time.perf_counter() - started),
+                 100 * (time.perf_counter() - started) / (time.perf_counter() - self._started))
 
     # -- fit -----------------------------------------------------------------------------------
 
@@ -227,6 +247,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "model_spec": self.built.spec.to_dict(),
+            "fingerprint": self.fingerprint,  # compared on resume (ddptrain/train/fingerprint.py)
         }
 
     # -- close ---------------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""Resumes notice changed inputs (issue 23, items 5, 6): the checkpoint records a fingerprint of
+what defines the run beyond its config, and a difference is refused with the key, old and new
+value; checkpoint.accept_changed_data accepts a changed corpus with a warning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddptrain.data.cache import relative_stamps
+from ddptrain.models.adapters import HFAdapter
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.fingerprint import check_fingerprint, run_fingerprint
+from tests.helpers import TINY_RUN, run_cli
+
+
+def _corpus(directory, *names):
+    directory.mkdir(exist_ok=True)
+    for name in names:
+        (directory / name).write_text(f"{name}\n" * 50)
+    return sorted(directory.glob("*.txt"))
+
+
+def test_a_changed_hf_config_json_is_refused_by_key(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-6, "num_hidden_layers": 2,
+                                                      "_name_or_path": "/elsewhere", "transformers_version": "4"}))
+    before = run_fingerprint(HFAdapter().architecture({"path": str(tmp_path)}), {})
+    assert "_name_or_path" not in before["model"], "where a model was saved from does not define it"
+    (tmp_path / "config.json").write_text(json.dumps({"rms_norm_eps": 0.1, "num_hidden_layers": 3}))
+    after = run_fingerprint(HFAdapter().architecture({"path": str(tmp_path)}), {})
+    with pytest.raises(ckpt.CheckpointError, match=r"model.num_hidden_layers: 2 -> 3; model.rms_norm_eps: 1e-06 -> 0.1"):
+        check_fingerprint(before, after, accept_changed_data=True)  # the override is for the corpus only
+
+
+def test_a_changed_corpus_is_refused_by_file_and_accepted_with_a_warning_on_request(tmp_path, caplog):
+    files = _corpus(tmp_path / "corpus", "a.txt", "b.txt")
+    before = run_fingerprint({}, {"train": relative_stamps(files), "documents": 2})
+    moved = tmp_path / "moved"
+    (tmp_path / "corpus").rename(moved)
+    assert relative_stamps(sorted(moved.glob("*.txt"))) == before["data"]["train"], "a corpus moved whole is the same"
+    files = _corpus(moved, "c.txt")  # a new file matching the glob
+    after = run_fingerprint({}, {"train": relative_stamps(files), "documents": 3})
+    with pytest.raises(ckpt.CheckpointError, match=r"data.documents: 2 -> 3; data.train.c.txt: None -> \[.*"
+                                                   r"checkpoint.accept_changed_data=true"):
+        check_fingerprint(before, after, accept_changed_data=False)
+    with caplog.at_level("WARNING", logger="ddptrain"):
+        check_fingerprint(before, after, accept_changed_data=True)
+    assert "the data order differs from here on" in caplog.text
+    assert check_fingerprint(None, after, accept_changed_data=False) == [], "a checkpoint from before fingerprints"
+
+
+@pytest.mark.slow
+def test_a_corpus_appended_to_between_runs_is_refused_on_resume(tmp_path):
+    corpus = tmp_path / "corpus"
+    _corpus(corpus, "a.txt", "b.txt", "c.txt")
+    run = [*TINY_RUN, "data=text", f"data.paths=[{corpus}/*.txt]", "data.split_by=paragraph", "data.max_docs=null",
+           f"data.cache_dir={tmp_path / 'cache'}", "batch.seq_len=32", "batch.global_size=4", "batch.micro_size=2",
+           f"run.dir={tmp_path / 'run'}"]
+    first = run_cli([*run, "trainer.max_steps=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "inputs fingerprinted in" in first.stderr
+    with open(corpus / "a.txt", "a") as handle:
+        handle.write("\n\nanother paragraph\n")
+    refused = run_cli([*run, "trainer.max_steps=3"])
+    assert refused.returncode == 2 and "data.train.a.txt" in refused.stderr, refused.stderr[-3000:]
+    accepted = run_cli([*run, "trainer.max_steps=3", "checkpoint.accept_changed_data=true"])
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert "the data order differs from here on" in accepted.stderr
+    assert "of start-up so far" in accepted.stderr
