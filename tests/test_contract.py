@@ -5,6 +5,8 @@ traceback or a run that trains on the wrong columns."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -27,12 +29,14 @@ def test_a_model_outside_the_contract_is_a_model_error_at_start_up(how, expected
     cfg = compose_config([*RESHAPED, f"+model.how={how}"])
     inputs = torch.randint(0, VOCAB, (2, 12))
     with pytest.raises(ModelError, match=expected):
-        build_model(cfg, VOCAB, inputs)
+        build_model(cfg, VOCAB, sample_inputs=inputs)
     good = compose_config(["model=custom", "model._target_=tests.toy_models.make_conv_lm"])
-    build_model(good, VOCAB, inputs)  # raw logits (B, T, V): the contract
+    build_model(good, VOCAB, sample_inputs=inputs)  # raw logits (B, T, V): the contract
 
 
-def test_a_factory_that_raises_is_a_model_error_in_training_and_verify(capsys):
+def test_a_factory_that_raises_is_a_model_error_in_training_and_verify(capsys, monkeypatch):
+    # verify's main sets up logging (the ddptrain logger stops propagating); undo it afterwards
+    monkeypatch.setattr(logging.getLogger("ddptrain"), "propagate", True)
     cfg = compose_config(["model=custom", "model._target_=tests.toy_models.make_raising_lm"])
     with pytest.raises(ModelError, match=r"make_raising_lm raised ValueError: no model for a vocabulary of 32"):
         build_model(cfg, VOCAB)

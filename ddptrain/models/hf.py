@@ -248,13 +248,13 @@ def packing_problem(model: nn.Module) -> str | None:
             alone = torch.cat([model(ids[:, start:start + n]).logits
                                for start, n in zip((0, lengths[0]), lengths)], dim=1)
     except Exception as error:  # noqa: BLE001 - an attention that cannot take packed rows (Bloom's eager raises)
-        return f"fails on packed rows: {type(error).__name__}: {str(error).splitlines()[0]}"
+        return (f"fails on packed rows (idx, positions, segments, documents): {type(error).__name__}: "
+                f"{str(error).splitlines()[0]}")
     finally:
         model.train(was_training)
     difference = float((packed - alone).abs().max())
     if not difference <= 1e-4:
-        return f"does not keep attention inside each packed document (logits differ by {difference:.3g} from each " \
-               "document alone)"
+        return f"logits differ by {difference:.3g} from each document alone"
     return None
 
 
@@ -263,8 +263,10 @@ def check_packing(model: nn.Module) -> None:
     problem = packing_problem(model)
     if problem is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        raise ModelError(f"batch.pack=true: {type(model).__name__} with attn_implementation="
-                         f"{base.config._attn_implementation} {problem}; use batch.pack=false")
+        what = f"{type(model).__name__} with attn_implementation={base.config._attn_implementation}"
+        if not problem.startswith("fails"):
+            problem = f"does not keep attention inside each packed document ({problem})"
+        raise ModelError(f"batch.pack=true: {what} {problem}; use batch.pack=false")
 
 
 def save_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
