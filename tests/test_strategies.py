@@ -138,15 +138,16 @@ def test_fsdp_layouts_give_the_same_loss_curve_in_fp64(tmp_path):
 @pytest.fixture(scope="module")
 def ddp_budget_curves(tmp_path_factory) -> dict:
     """ddp's curves on 2 ranks with a token budget, unpacked and packed: the zero runs' references."""
-    tmp_path = tmp_path_factory.mktemp("ddp_budget")
-    return {"ddp budget": _curve(tmp_path, "ddp", 2, ["batch.micro_tokens=160"]),
+    tmp_path = tmp_path_factory.mktemp("ddp_budget")  # the zero runs use its corpus too
+    return {"dir": tmp_path, "ddp budget": _curve(tmp_path, "ddp", 2, ["batch.micro_tokens=160"]),
             "ddp pack": _curve(tmp_path, "ddp-pack", 2, ["batch.pack=true", "batch.micro_tokens=384"])}
 
 
 @pytest.mark.slow
 @requires_deepspeed
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_token_budgets_and_packing_run_under_zero(tmp_path, strategy, ddp_budget_curves):
+def test_token_budgets_and_packing_run_under_zero(strategy, ddp_budget_curves):
+    tmp_path = ddp_budget_curves["dir"]
     curves = {"ddp budget": ddp_budget_curves["ddp budget"],
               f"{strategy} budget": _curve(tmp_path, strategy, 2, [f"strategy={strategy}", "batch.micro_tokens=160"])}
     _same(curves, 2e-5)
