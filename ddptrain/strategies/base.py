@@ -61,7 +61,8 @@ class Strategy(abc.ABC):
     @property
     def module(self) -> nn.Module:
         """The model itself, under whatever wrapper the strategy put around it (DDP, DeepSpeed's engine)."""
-        return getattr(self, "_module", None) or self.model
+        module = getattr(self, "_module", None)
+        return module if module is not None else self.model  # not `or`: a module may define __len__
 
     @classmethod
     def from_config(cls, options: dict, layout: StepLayout) -> "Strategy":
