@@ -17,8 +17,9 @@ seq_len, fp32, AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1, constant schedu
 Contenders (each a fresh `torchrun --nproc_per_node=2` per round; default: all but hf-rebalance):
 
 - ddptrain-pack: the CLI (`-m ddptrain model=hf model.path=DIR ...`) with batch.pack=true: rows of
-  seq_len tokens holding several documents, attention kept inside each document by a 4D mask,
-  positions restarting per document. A packed "sequence" is a row, so the global batch is set to
+  seq_len tokens holding several documents, attention kept inside each document from the rows'
+  boundaries (trainer.attention=auto: the gather backend on CPU, no mask), positions restarting
+  per document. A packed "sequence" is a row, so the global batch is set to
   the rows that hold as many valid targets as global_batch average examples (the step's work and
   its gradient noise stay comparable); microbatches of <= micro x seq_len tokens.
 - ddptrain: the same CLI with token-budget microbatches (batch.micro_tokens = micro x seq_len: no

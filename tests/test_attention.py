@@ -94,7 +94,40 @@ def test_boundaries_are_offsets_and_a_bounded_gather_plan():
     small = int((lengths <= SMALL_DOCUMENT).sum())
     assert buffer <= 2 * tokens + SMALL_DOCUMENT * small, (buffer, tokens)
     firsts = [longest for _, longest in documents.buckets]
-    assert firsts == sorted(firsts, reverse=True) and len(firsts) <= int(np.log2(200)) - 3, "longest first"
+    assert firsts == sorted(firsts, reverse=True) and len(firsts) <= len(np.unique(lengths)), "longest first"
+
+
+def plan_cost(lengths, plan):
+    from ddptrain.data.boundaries import ATTENTION_PER_CALL, ATTENTION_PER_TOKEN
+
+    return sum(len(docs) * (lengths[docs].max() ** 2 + ATTENTION_PER_TOKEN * lengths[docs].max())
+               + ATTENTION_PER_CALL for docs in plan)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_bucket_plan_is_the_cheapest_within_twice_the_shortest(seed):
+    from ddptrain.data.boundaries import bucket_plan
+
+    rng = np.random.default_rng(seed)
+    lengths = np.r_[rng.integers(1, 40, size=30), rng.integers(100, 1025, size=6), 300, 300]
+    plan = bucket_plan(lengths)
+    assert sorted(np.concatenate(plan).tolist()) == list(range(len(lengths))), "every document in one bucket"
+    for docs in plan:
+        assert list(lengths[docs]) == sorted(lengths[docs], reverse=True)
+        assert lengths[docs].max() <= max(2 * lengths[docs].min(), SMALL_DOCUMENT), lengths[docs]
+    # never costlier than bucketing by powers of two (the plan before), and no plan of runs of
+    # the sorted lengths is cheaper: every split of a small case, tried
+    classes = np.ceil(np.log2(np.maximum(lengths, SMALL_DOCUMENT)))
+    by_powers = [np.flatnonzero(classes == c) for c in np.unique(classes)]
+    assert plan_cost(lengths, plan) <= plan_cost(lengths, by_powers)
+    small = np.r_[rng.integers(17, 200, size=7)]
+    order = np.argsort(-small, kind="stable")
+    cheapest = min(plan_cost(small, [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(small)))])
+                   for mask in range(2 ** (len(small) - 1))
+                   for cuts in [tuple(i + 1 for i in range(len(small) - 1) if mask >> i & 1)]
+                   if all(small[order[a:b]].max() <= 2 * small[order[a:b]].min()
+                          for a, b in zip((0, *cuts), (*cuts, len(small)))))
+    assert plan_cost(small, bucket_plan(small)) == cheapest
 
 
 def test_collation_carries_the_boundaries_and_they_travel_like_tensors():

@@ -3,11 +3,17 @@
 Every run of equal segment ids in a row is a document (the row's padding, segment -1, included).
 The boundaries hold what every attention backend of ddptrain/models/attention.py needs, so that
 no backend reads a length back from the device (`.item()`) or builds a T x T tensor: cu_seqlens
-offsets over the flattened (B * T) rows, the longest document as a host int, and the gather plan
-(documents bucketed by length, each bucket padded to its longest: at most twice its shortest, all
-documents up to SMALL_DOCUMENT tokens together). The gather buffer is so bounded: at most
-2 x B x T positions, plus SMALL_DOCUMENT per document of up to SMALL_DOCUMENT tokens, and one
-attention call per bucket, at most log2(T) - 3 of them.
+offsets over the flattened (B * T) rows, the longest document as a host int, and the gather plan.
+
+The gather plan puts the documents, longest first, into buckets, each padded to its longest
+document and run as one attention call. Which documents share a bucket is the cheapest plan under
+a cost model of causal attention (`bucket_plan`): a bucket of n documents padded to length L costs
+n x (L^2 + ATTENTION_PER_TOKEN x L) + ATTENTION_PER_CALL, so padding a long document is worth a
+call saved only when little is padded. A bucket's longest document is at most twice its shortest
+(or at most SMALL_DOCUMENT tokens long), so the buffer is bounded: at most 2 x B x T positions, plus
+SMALL_DOCUMENT per document of up to SMALL_DOCUMENT tokens. The plan is never costlier than
+bucketing by powers of two (each such class is one feasible plan), and has one call at most per
+distinct document length.
 """
 
 from __future__ import annotations
@@ -19,7 +25,42 @@ import numpy as np
 import torch
 
 SMALL_DOCUMENT = 16
-"""Documents up to this many tokens share one gather bucket (padding them costs little)."""
+"""Documents up to this many tokens may share one gather bucket whatever their lengths (padding
+them costs little)."""
+
+ATTENTION_PER_TOKEN = 64
+ATTENTION_PER_CALL = 128 ** 2
+"""The cost model of `bucket_plan`, in units of one causal score (of L^2 per document of L): what
+a padded position costs beyond its scores (projections in and out, the kernel's per-row work), and
+what one more attention call costs (its launch and slicing, forward and backward). Fitted to
+torch's CPU flash kernel, whose fwd+bwd time these predict within about 25% from 16 x 32 to
+2 x 1024 (documents x length)."""
+
+
+def bucket_plan(lengths: np.ndarray) -> list[np.ndarray]:
+    """The documents of each gather bucket (indices into `lengths`), longest bucket first and each
+    longest first (ties in order): the plan of least modelled cost in which every bucket's longest
+    document is at most twice its shortest, or at most SMALL_DOCUMENT tokens long. A dynamic
+    program over the distinct lengths, longest first (a bucket is a run of them)."""
+    distinct, counts = np.unique(lengths, return_counts=True)
+    distinct, counts = distinct[::-1].astype(np.float64), counts[::-1]  # longest first
+    before = np.r_[0, np.cumsum(counts)]  # documents longer than distinct[i]: before[i]
+    best = np.zeros(len(distinct) + 1)
+    cut = np.zeros(len(distinct) + 1, dtype=np.int64)
+    for end in range(1, len(distinct) + 1):  # the cheapest plan of distinct[:end]; its last bucket starts at cut
+        first = np.arange(end)
+        longest = distinct[first]
+        cost = (best[first] + (before[end] - before[first]) * (longest ** 2 + ATTENTION_PER_TOKEN * longest)
+                + ATTENTION_PER_CALL)
+        cost[(longest > 2 * distinct[end - 1]) & (longest > SMALL_DOCUMENT)] = np.inf
+        cut[end] = int(np.argmin(cost))
+        best[end] = cost[cut[end]]
+    bounds, end = [], len(distinct)
+    while end:
+        bounds.append((cut[end], end))
+        end = cut[end]
+    order = np.lexsort((np.arange(len(lengths)), -lengths))  # longest first, ties in order
+    return [order[before[start]:before[stop]] for start, stop in reversed(bounds)]
 
 
 @dataclass
@@ -64,10 +105,7 @@ class DocumentBoundaries:
         lengths = np.diff(np.r_[starts, flat.size])
         cu_seqlens = np.r_[0, np.cumsum(lengths)].astype(np.int32)
         buckets, indices = [], []
-        size_class = np.ceil(np.log2(np.maximum(lengths, SMALL_DOCUMENT))).astype(np.int64)
-        for bucket in np.unique(size_class)[::-1]:
-            docs = np.flatnonzero(size_class == bucket)
-            docs = docs[np.lexsort((docs, -lengths[docs]))]  # longest first, ties in order
+        for docs in bucket_plan(lengths):
             longest = int(lengths[docs[0]])
             offsets = np.arange(longest)
             real = offsets[None, :] < lengths[docs][:, None]  # (n, L)

@@ -13,7 +13,8 @@ Backends (`trainer.attention`, picked at start-up by `select_backend`):
 - gather (any device): the documents are gathered into padded batches sorted by length and run
   through plain causal SDPA, no mask (so flash or efficient kernels on CUDA), then put back. The
   buckets (each padded to its longest document, at most twice its shortest; documents of up to 16
-  tokens together) bound the buffer (ddptrain/data/boundaries.py) and make one SDPA call each. A
+  tokens may share one; the cheapest such plan under a cost model of causal attention) bound the
+  buffer (ddptrain/data/boundaries.py) and make one SDPA call each. A
   document padded at its end never lets a real token see the padding (causal), so no mask is
   needed. The gather is one permutation with padding, and so is its backward: index_select both
   ways, never index_select's scatter-add backward (slow on CPU). Rows that are whole documents go
