@@ -103,3 +103,16 @@ def test_attention_benchmark_prints_every_backend_beside_causal_sdpa():
     assert len(rows) == 8, "4 rows of times, 4 of memory"
     timed = rows[0]
     assert timed[-2:] == ["n/a", "n/a"] and timed[-3].endswith("x") and timed[-5].endswith("x"), out
+
+
+def test_packed_memory_benchmark_prints_the_dense_mask_beside_the_default_backend():
+    out = _run("benchmarks.bench_memory_ac", "--packed", "--models", "gpt", "--n-layer", "1", "--n-embd", "16",
+               "--seq-len", "256,1024", "--batch", "1")
+    assert out.startswith("benchmarks.bench_memory_ac --packed: one fp32 AdamW step on 1 packed rows"), out
+    rows = [line.split() for line in out.splitlines() if line.startswith("gpt ")]
+    assert [row[1] for row in rows] == ["256", "1024"] and all(row[5] == "gather" for row in rows), out
+    (mask_short, auto_short), (mask_long, auto_long) = ((float(row[2]), float(row[3])) for row in rows)
+    assert float(rows[1][4]) == pytest.approx(auto_long / mask_long, abs=0.006), out
+    # 4x the tokens: the dense mask's step grows with T^2 (its (B, 1, T, T) mask dominates at this
+    # width: 16x), the boundaries' with T (the gather buffers and the activations: 4x)
+    assert mask_long / mask_short > 6 and auto_long / auto_short < 5 and auto_long < mask_long, out
