@@ -75,6 +75,10 @@ COMMANDS = {
         "tests/test_plan.py::test_the_plan_of_gpt2_small_and_a_1b_llama_prints_in_seconds_without_allocating_weights",
     "python -m benchmarks.bench_checkpoint --mb 200 --rounds 3":
         "tests/test_benchmarks.py::test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save",
+    "python -m benchmarks.bench_peer --seq-len 1024":
+        "not run: 12 two-rank training runs (half an hour); tests/test_benchmarks.py runs only its --mode sft",
+    "python -m benchmarks.bench_peer --seq-len 256":
+        "not run: 12 two-rank training runs (ten minutes); tests/test_benchmarks.py runs only its --mode sft",
     "python -m benchmarks.bench_peer --mode sft --rounds 3":
         "tests/test_benchmarks.py::test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl",
     "pip install 'ddptrain[plot]'": "not run: installs a package (the test extra includes matplotlib)",

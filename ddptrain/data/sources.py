@@ -81,7 +81,11 @@ def stdlib_root() -> Path:
 def stdlib_documents(max_docs: int | None = None) -> Iterator[tuple[str, bytes]]:
     """The running interpreter's standard-library .py files, one document per file, sorted."""
     root = stdlib_root()
-    paths = sorted(p for p in root.rglob("*.py") if not _SKIPPED_STDLIB_DIRS & set(p.relative_to(root).parts))
+    paths = []
+    for directory, subdirectories, files in os.walk(root):  # pruned: not a walk through site-packages
+        subdirectories[:] = [name for name in subdirectories if name not in _SKIPPED_STDLIB_DIRS]
+        paths.extend(Path(directory, name) for name in files if name.endswith(".py"))
+    paths.sort()
     if not paths:
         raise FileNotFoundError(f"no Python source files found under the standard library at {root}")
     for count, path in enumerate(paths):

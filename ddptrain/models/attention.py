@@ -99,12 +99,31 @@ def warn_dense_fallback(reason: str) -> None:
 # -- the backends: q, k, v (B, H, T, d) -> (B, T, H, d) ---------------------------------------------------
 
 
-@torch.compiler.disable  # ragged, data-dependent shapes: eager, between a compiled block's graphs
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentBoundaries,
            scale: float | None = None, dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
     """Attention of every query to the earlier keys of its own document (the `window` latest
     ones, when given) through `documents.backend`. q (B, H, T, d), k and v (B, Hkv, T, d) with H a
-    multiple of Hkv; returns (B, T, H, d)."""
+    multiple of Hkv; returns (B, T, H, d).
+
+    Under torch.compile it runs eagerly, between a compiled block's graphs (ragged, data-dependent
+    shapes). The torch.compiler.disable wrapper is made on the first compiled call, not at import:
+    making it imports torch._dynamo, about 2 s of every process's start-up that compiles nothing."""
+    if torch.compiler.is_compiling():
+        return _outside_graphs()(q, k, v, documents, scale, dropout, window)
+    return _attend(q, k, v, documents, scale, dropout, window)
+
+
+_EAGER_ATTEND = None
+
+
+def _outside_graphs():
+    global _EAGER_ATTEND
+    if _EAGER_ATTEND is None:
+        _EAGER_ATTEND = torch.compiler.disable(_attend)
+    return _EAGER_ATTEND
+
+
+def _attend(q, k, v, documents, scale, dropout, window):
     backend = documents.backend or "gather"
     if dropout and backend in ("varlen", "flex"):
         raise AttentionError(f"trainer.attention={backend} has no attention dropout ({dropout}); "

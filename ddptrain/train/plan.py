@@ -379,17 +379,19 @@ def plan_for_config(cfg, world_size: int, ranks_per_node: int | None = None) -> 
         adapter.enable_activation_checkpointing(model)
     batch = cfg.batch
     fixed = batch.micro_tokens is None and not batch.pack
+    # a budget microbatch holds at most micro_tokens padded tokens: planned as that many rows of seq_len
+    micro_rows = batch.micro_size if batch.micro_tokens is None else max(1, batch.micro_tokens // batch.seq_len)
     options = strategy_options(cfg.strategy)
     ranks_per_node = ranks_per_node or min(world_size, 8)
     replicate = options.get("replicate", "auto")  # fsdp's; the HSDP row of other strategies: one replica per node
     nodes = max(1, world_size // ranks_per_node)
     layout = Layout(world_size=world_size, ranks_per_node=min(ranks_per_node, world_size),
                     replicate=nodes if replicate in ("auto", 1) else int(replicate),
-                    micro_batch_size=batch.micro_size, seq_len=batch.seq_len,
+                    micro_batch_size=micro_rows, seq_len=batch.seq_len,
                     grad_accum_steps=grad_accum_steps(batch.global_size, batch.micro_size, world_size) if fixed else 1,
                     precision=cfg.trainer.precision, optimizer=cfg.optim.name,
                     reshard_after_forward=bool(options.get("reshard_after_forward", True)),
                     deepspeed=dict(options.get("deepspeed", {}) or {}))
-    counts = count_model(model, block_class_names(model), batch.micro_size, batch.seq_len, cfg.trainer.precision,
+    counts = count_model(model, block_class_names(model), micro_rows, batch.seq_len, cfg.trainer.precision,
                          vocab_size, checkpointed=bool(cfg.trainer.activation_checkpointing))
     return plan_strategies(counts, layout), counts, layout

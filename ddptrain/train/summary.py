@@ -17,8 +17,11 @@ from ddptrain.train.plan import format_plan, plan_for_config
 log = logging.getLogger(__name__)
 
 
-def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, step: int) -> None:
+def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, step: int, sampled=None) -> None:
+    """`sampled`: what a step's global batch draws from (the packed rows under batch.pack; default
+    the training examples)."""
     d, train = dist_info, built.data.train
+    sampled = train if sampled is None else sampled
     nodes = max(d.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)), 1)
     if d.device.type == "cuda":
         device = f"{torch.cuda.get_device_name(d.device)} ({d.backend})"
@@ -30,8 +33,9 @@ def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, 
     log.info("world: %d rank(s) on %d node(s) | device: %s | peak %s", d.world_size, nodes, device, peak)
     log.info("strategy: %s | precision %s | %s", cfg.strategy.name, cfg.trainer.precision,
              describe_layout(cfg, d.world_size))
+    per_sequence = sampled.valid_targets() / len(sampled)
     log.info("tokens per step: up to %d (seq_len %d), about %.0f valid targets on average",
-             cfg.batch.global_size * cfg.batch.seq_len, cfg.batch.seq_len, cfg.batch.global_size * mean_targets)
+             cfg.batch.global_size * cfg.batch.seq_len, cfg.batch.seq_len, cfg.batch.global_size * per_sequence)
     flops, parameters = window.model_flops, num_parameters(built.model)
     log.info("model: %s (%s), %d parameters (%.2fM)%s", built.spec.class_name, built.spec.kind, parameters,
              parameters / 1e6,
@@ -39,7 +43,7 @@ def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, 
              f"FLOPs per token at seq_len {cfg.batch.seq_len}" if flops else "")
     log.info("dataset: %s, %d train documents -> %d examples, %d valid targets (%.1f per example, %.3g epochs "
              "in %d steps) | validation %d examples", cfg.data.name, train.documents, len(train),
-             train.valid_targets(), mean_targets, cfg.trainer.max_steps * cfg.batch.global_size / len(train),
+             train.valid_targets(), mean_targets, cfg.trainer.max_steps * cfg.batch.global_size / len(sampled),
              cfg.trainer.max_steps, len(built.data.val))
     if train.is_conversations:  # data=sft: only assistant (completion) tokens are targets
         targets, positions = train.targets_per_example(), int((train.lengths - 1).sum())

@@ -121,7 +121,7 @@ class Trainer:
         self.preemption = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device,
                                             grace_s=cfg.checkpoint.preempt_grace_s,
                                             check_every=cfg.checkpoint.preempt_check_every)
-        log_summary(cfg, self.dist, self.built, self.metrics, self.step)
+        log_summary(cfg, self.dist, self.built, self.metrics, self.step, sampled=self.train_batches.examples)
         return self
 
     def _fingerprint_inputs(self, saved: dict) -> None:
