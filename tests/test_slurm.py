@@ -174,8 +174,9 @@ def test_template_trains_to_max_steps(slurm_env, tmp_path, template, nproc_per_n
         assert "(node1 node2)" in output, output
         node_logs = sorted(p.name for p in (tmp_path / "logs").glob(f"*-{job_id}.node*.log"))
         assert node_logs == [f"{fields['JobName']}-{job_id}.node{i}.log" for i in range(nodes)]
-        first_node = (tmp_path / "logs" / node_logs[0]).read_text()
-        assert "HSDP mesh of 2 replicas x 1 shards" in first_node, first_node[-3000:]
+        # rank 0 logs; c10d's rendezvous puts it on whichever node's agent joined first
+        logs = [(tmp_path / "logs" / name).read_text() for name in node_logs]
+        assert sum("HSDP mesh of 2 replicas x 1 shards" in log for log in logs) == 1, "\n----\n".join(logs)[-3000:]
 
 
 @pytest.mark.parametrize(

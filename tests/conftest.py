@@ -1,0 +1,40 @@
+"""Test isolation shared by every test file."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _ddptrain_logger_as_it_was():
+    """Entry points called in-process (`ddptrain.verify.main`, the CLI's `train`) run
+    ddptrain.distributed.setup_logging: a handler on the stream of that moment (pytest's capture of
+    that test, closed after it) and propagate=False, so that caplog sees nothing later. Each test
+    gets the ddptrain logger back as it found it, whichever tests ran before it in this process
+    (pytest-xdist changes that order)."""
+    logger = logging.getLogger("ddptrain")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate, logger.level = saved[0], saved[1], saved[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_or_environment_left_behind():
+    """A test that joins a process group in this process (DeepSpeed's init_distributed does, and
+    sets MASTER_ADDR and the rest in os.environ) would leave later tests in a world that
+    `ddptrain.is_distributed()` sees. Each test gets the environment back as it found it, and a
+    default group it created is destroyed."""
+    import os
+
+    import torch.distributed as dist
+
+    environment = dict(os.environ)
+    had_group = dist.is_available() and dist.is_initialized()
+    yield
+    if dist.is_available() and dist.is_initialized() and not had_group:
+        dist.destroy_process_group()
+    if dict(os.environ) != environment:
+        os.environ.clear()
+        os.environ.update(environment)
