@@ -62,6 +62,8 @@ COMMANDS = {
     "python -m benchmarks.bench_data": "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
     "python -m benchmarks.bench_attention [--seq-lens 256,1024,4096] [--rows 2] [--heads 4] [--head-dim 64]":
         "tests/test_benchmarks.py::test_attention_benchmark_prints_every_backend_beside_causal_sdpa",
+    "python -m benchmarks.bench_attention --seq-lens 256,1024,4096 --rounds 15 --repeats 2":
+        "tests/test_benchmarks.py::test_attention_benchmark_prints_every_backend_beside_causal_sdpa",
     "python -m benchmarks.bench_data --seq-len 1024 --global-batch 16 --micro-size 4 --steps 100":
         "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
     "python -m benchmarks.bench_checkpoint --mb 200 --rounds 3":
