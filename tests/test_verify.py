@@ -114,7 +114,6 @@ def test_caveats_name_batch_dependent_and_stochastic_modules_only():
 
 
 def test_the_trainer_hook_warns_once_on_rank_zero(caplog):
-    logging.getLogger("ddptrain").propagate = True  # setup_logging may have turned it off in this process
     with caplog.at_level(logging.WARNING, logger="ddptrain"):
         gpt = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=1, n_head=2, n_embd=8))
         assert log_equivalence_caveats(gpt) == []

@@ -17,11 +17,10 @@ from ddptrain.train.plan import format_plan, plan_for_config
 log = logging.getLogger(__name__)
 
 
-def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, step: int, sampled=None) -> None:
-    """`sampled`: what a step's global batch draws from (the packed rows under batch.pack; default
-    the training examples)."""
+def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, step: int, sampled) -> None:
+    """`sampled`: what a step's global batch draws from (TrainBatches.examples: the packed rows
+    under batch.pack, else the training examples)."""
     d, train = dist_info, built.data.train
-    sampled = train if sampled is None else sampled
     nodes = max(d.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)), 1)
     if d.device.type == "cuda":
         device = f"{torch.cuda.get_device_name(d.device)} ({d.backend})"
