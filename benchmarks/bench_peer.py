@@ -42,6 +42,11 @@ its steps are no longer random samples (a step of long sequences, then shorter a
 whereas ddptrain's layouts keep each step's global batch the seeded random sample and only decide
 which rank and microbatch computes each example.
 
+Beside each rate stands the contender's padding efficiency over the timed steps (valid targets /
+positions computed), and beside each ratio the part of it that padding alone explains (the ratio of
+the two efficiencies): a layout that computes as many positions per target as its peer can beat it
+only by being faster per position.
+
 Rounds run the contenders in alternating order (ABC, CBA, ...) so that the noise of a shared
 machine hits all alike; the report is the per-round figures and the median of per-round ratios.
 A figure, not a test.
@@ -117,7 +122,7 @@ def run_ddptrain(args, model_dir: Path, run_dir: Path, pack: bool) -> float:
            "optim.schedule=constant", "optim.warmup_steps=0", f"trainer.grad_clip={GRAD_CLIP}",
            "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines"]
     execute(cmd, args)
-    return windowed_rates(run_dir, args.log_every)[0]
+    return windowed_rates(run_dir, args.log_every)
 
 
 def windowed_rates(run_dir: Path, log_every: int) -> tuple[float, float]:
@@ -166,12 +171,14 @@ def hf_worker(args) -> None:
         return {"input_ids": input_ids, "labels": labels}
 
     step_tokens: dict[int, int] = {}
+    step_positions: dict[int, int] = {}
     step_ends: dict[int, float] = {}
 
     class CountingTrainer(transformers.Trainer):
         def training_step(self, model, inputs, *rest, **kwargs):
             step = self.state.global_step + 1  # the step this microbatch belongs to
             step_tokens[step] = step_tokens.get(step, 0) + int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+            step_positions[step] = step_positions.get(step, 0) + inputs["input_ids"].numel()
             return super().training_step(model, inputs, *rest, **kwargs)
 
     class Clock(transformers.TrainerCallback):
@@ -205,12 +212,14 @@ def hf_worker(args) -> None:
                               callbacks=[Clock()])
     trainer.train()
     timed = range(args.log_every + 1, args.steps + 1)
-    tokens = torch.tensor([sum(step_tokens.get(step, 0) for step in timed)], dtype=torch.int64)
+    counts = torch.tensor([sum(step_tokens.get(step, 0) for step in timed),
+                           sum(step_positions.get(step, 0) for step in timed)], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tokens)
+        dist.all_reduce(counts)
     if int(os.environ.get("RANK", "0")) == 0:
         seconds = step_ends[args.steps] - step_ends[args.log_every]
-        Path(args.out, "result.json").write_text(json.dumps({"tokens": int(tokens), "seconds": seconds}))
+        Path(args.out, "result.json").write_text(json.dumps({"tokens": int(counts[0]), "positions": int(counts[1]),
+                                                             "seconds": seconds}))
     # A DDP module still alive when the process exits with its group sometimes aborts it ("terminate
     # called without an active exception"; see ddptrain/__main__.py): free both first.
     del trainer, model
@@ -219,12 +228,12 @@ def hf_worker(args) -> None:
         dist.destroy_process_group()
 
 
-def run_hf(args, model_dir: Path, out_dir: Path, contender: str) -> float:
+def run_hf(args, model_dir: Path, out_dir: Path, contender: str) -> tuple[float, float]:
     cmd = [*torchrun(args), "-m", "benchmarks.bench_peer", "--hf-worker", contender, "--model-dir", str(model_dir),
            "--out", str(out_dir), *shared_flags(args)]
     execute(cmd, args)
     result = json.loads((out_dir / "result.json").read_text())
-    return result["tokens"] / result["seconds"]
+    return result["tokens"] / result["seconds"], result["tokens"] / result["positions"]
 
 
 # -- the comparison ---------------------------------------------------------------------------
@@ -248,7 +257,8 @@ def execute(cmd: list[str], args, extra_env: dict[str, str] | None = None) -> No
         raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {done.returncode}:\n{done.stderr[-4000:]}")
 
 
-def run_contender(name: str, args, model_dir: Path, work: Path, round_index: int) -> float:
+def run_contender(name: str, args, model_dir: Path, work: Path, round_index: int) -> tuple[float, float]:
+    """(valid targets per second, padding efficiency: valid targets / positions computed) of one run."""
     out = work / f"{name}-{round_index}"
     if name.startswith("ddptrain"):
         return run_ddptrain(args, model_dir, out, pack=name == "ddptrain-pack")
@@ -299,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not any(c.startswith("ddptrain") for c in contenders):
         parser.error(f"--contenders: {unknown or contenders} (of {', '.join(CONTENDERS)}, at least one ddptrain)")
     figures: dict[str, list[float]] = {name: [] for name in contenders}
+    efficiency: dict[str, list[float]] = {name: [] for name in contenders}
     with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
         work = Path(tmp)
         model_dir = work / "llama"
@@ -315,19 +326,32 @@ def main(argv: list[str] | None = None) -> None:
         for round_index in range(args.rounds):
             order = contenders if round_index % 2 == 0 else contenders[::-1]
             for name in order:
-                figures[name].append(run_contender(name, args, model_dir, work, round_index))
+                rate, padding = run_contender(name, args, model_dir, work, round_index)
+                figures[name].append(rate)
+                efficiency[name].append(padding)
             print(f"round {round_index + 1}: " + ", ".join(f"{n} {figures[n][-1]:,.0f}" for n in contenders),
                   flush=True)
     print()
-    print(f"{'contender':14} {'median tok/s':>13}   per round")
+    report(contenders, figures, efficiency)
+
+
+def report(contenders: list[str], figures: dict[str, list[float]], efficiency: dict[str, list[float]]) -> None:
+    """Medians and per-round figures with padding efficiency; per-round ratios of ours to each peer.
+
+    Beside each ratio stands what padding alone accounts for: the ratio of the two padding
+    efficiencies (valid targets / positions computed). A layout that computes the same positions per
+    token as its peer can only beat it by being faster per position.
+    """
+    print(f"{'contender':14} {'median tok/s':>13} {'padding eff.':>13}   per round")
     for name in contenders:
-        print(f"{name:14} {statistics.median(figures[name]):13,.0f}   "
+        print(f"{name:14} {statistics.median(figures[name]):13,.0f} {statistics.median(efficiency[name]):13.3f}   "
               + " ".join(f"{value:,.0f}" for value in figures[name]))
     for ours in (c for c in contenders if c.startswith("ddptrain")):
         for peer in (c for c in contenders if c.startswith("hf")):
             ratios = [a / b for a, b in zip(figures[ours], figures[peer])]
+            padding = statistics.median(efficiency[ours]) / statistics.median(efficiency[peer])
             print(f"{ours} / {peer}: median ratio {statistics.median(ratios):.2f} "
-                  f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+                  f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)}); from padding alone {padding:.2f}")
 
 
 if __name__ == "__main__":

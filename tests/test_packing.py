@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
@@ -64,6 +65,33 @@ def test_token_budget_and_balance():
             for micro in batches("micro_tokens_36", rank, 2, examples).rank_microbatches(step, rank):
                 assert len(micro) * int(targets[micro].max()) <= 36
                 assert int(targets[micro].max()) - int(targets[micro].min()) <= SEQ
+
+
+def test_packed_rows_are_split_by_attention_work_after_tokens():
+    """Rows of seq_len tokens tie on tokens: the rows of long documents (costly attention) go to
+    different ranks, never at the price of the token balance."""
+    ids = np.arange(4)
+    long_short = np.array([4096, 400, 4096, 400])  # squared document lengths of rows 0..3
+    by_tokens = balanced_shares(ids, np.full(4, 64), 2)
+    assert [long_short[share].sum() for share in by_tokens] == [8192, 800], "the split without attention"
+    shares = balanced_shares(ids, np.full(4, 64), 2, long_short)
+    assert sorted(long_short[share].sum() for share in shares) == [4496, 4496]
+    # Tokens first: the 90-token example is balanced against the two 50-token ones, whatever their work.
+    shares = balanced_shares(ids, np.array([90, 50, 50, 10]), 2, np.array([0, 10**6, 10**6, 0]))
+    assert sorted(int(np.array([90, 50, 50, 10])[share].sum()) for share in shares) == [100, 100]
+
+    # On packed rows of ragged documents: every step's rows split with the least attention work on
+    # the busiest rank that a split of equal tokens allows (rows 0..6 of these are full).
+    layout = batches("pack_micro_tokens_24", 0, 2)
+    work = layout.examples.attention_work()
+    for step in range(6):
+        global_ids = layout.plan.global_batch(step)
+        per_rank = [sum(int(work[ids].sum()) for ids in micro) for micro in layout.layout(step)]
+        rows = [sum(len(ids) for ids in micro) for micro in layout.layout(step)]
+        assert rows == [4, 4], rows
+        best = min(max(int(work[list(half)].sum()), int(work[global_ids].sum()) - int(work[list(half)].sum()))
+                   for half in itertools.combinations(global_ids, 4))
+        assert max(per_rank) <= 1.1 * best, (step, per_rank, best)
 
 
 def padding_efficiency(mode: str, examples: TokenExamples, steps: int = 6) -> float:

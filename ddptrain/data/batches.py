@@ -9,7 +9,8 @@ curve, do not depend on the layout.
 - micro_tokens: the global batch is split so that ranks get nearly equal token counts (longest
   first, each to the rank with the fewest tokens so far); each share is sorted by length and cut
   into microbatches of at most `micro_tokens` padded tokens (rows x longest), so sequences of
-  similar length share a microbatch and little is padding. Ranks may run different numbers of
+  similar length share a microbatch and little is padding. Packed rows, all of one length, are
+  split by their attention work next (the sum of their documents' squared lengths). Ranks may run different numbers of
   microbatches, on every strategy: ddp and zero1 reduce gradients once per step anyway, and where a
   strategy communicates in every microbatch (zero2, zero3, fsdp) the Engine gives the ranks with
   fewer microbatches filler microbatches whose targets are all ignored.
@@ -31,15 +32,26 @@ from ddptrain.data.packing import ConversationRows, PackedExamples
 from ddptrain.data.plan import GlobalBatchPlan, rank_share, split_micro
 
 
-def balanced_shares(ids: np.ndarray, tokens: np.ndarray, world_size: int) -> list[np.ndarray]:
-    """Split `ids` over ranks with nearly equal token sums (LPT greedy; deterministic ties)."""
-    order = np.lexsort((np.arange(len(ids)), -tokens))  # longest first, then by position
+def balanced_shares(ids: np.ndarray, tokens: np.ndarray, world_size: int,
+                    attention: np.ndarray | None = None) -> list[np.ndarray]:
+    """Split `ids` over ranks with nearly equal token sums (LPT greedy; deterministic ties).
+
+    `attention` (per example, e.g. the sum of its documents' squared lengths) breaks ties: among
+    examples of equal length the costliest goes first, and among ranks of equal token load the one
+    with the least attention work takes it. Packed rows all have seq_len tokens, so without it their
+    split would ignore that a row of one long document costs far more attention than a row of many
+    short ones, and the step would wait for the rank that drew the long ones.
+    """
+    work = np.zeros(len(ids), dtype=np.int64) if attention is None else np.asarray(attention, dtype=np.int64)
+    order = np.lexsort((np.arange(len(ids)), -work, -tokens))  # longest first, then costliest, then by position
     loads = np.zeros(world_size, dtype=np.int64)
+    works = np.zeros(world_size, dtype=np.int64)
     shares: list[list[int]] = [[] for _ in range(world_size)]
     for index in order:
-        rank = int(np.argmin(loads))  # the first of the least loaded ranks
+        rank = int(np.lexsort((np.arange(world_size), works, loads))[0])  # least tokens, then least work
         shares[rank].append(int(ids[index]))
         loads[rank] += tokens[index]
+        works[rank] += work[index]
     return [np.asarray(share, dtype=np.int64) for share in shares]
 
 
@@ -82,6 +94,8 @@ class TrainBatches:
         # Input positions of each example (L - 1): what a budget limits and what ranks balance (compute and
         # memory), masked-out targets included; the objective counts only valid targets (the Engine).
         self._positions = examples.lengths - 1
+        # Packed rows: each row's attention work (its documents' squared lengths), which ranks balance second.
+        self._attention = examples.attention_work() if isinstance(examples, PackedExamples) else None
         # ((step, per-rank microbatches), ...): the two steps computed last, newest first. An immutable
         # tuple swapped in one assignment, so the prefetching thread and the training thread can
         # share it without a lock (a lost update only costs a recomputation of the same layout).
@@ -104,7 +118,8 @@ class TrainBatches:
             ranks = [split_micro(rank_share(global_ids, rank, self.world_size), self.micro_batch_size)
                      for rank in range(self.world_size)]
         else:
-            shares = balanced_shares(global_ids, self._positions[global_ids], self.world_size)
+            attention = None if self._attention is None else self._attention[global_ids]
+            shares = balanced_shares(global_ids, self._positions[global_ids], self.world_size, attention)
             ranks = [budget_microbatches(share, self._positions[share], self.micro_tokens) for share in shares]
         self._layouts = ((step, ranks),) + cached[:1]
         return ranks

@@ -69,6 +69,18 @@ class PackedExamples:
         positions = span[:-1] - np.maximum(self.doc_starts[doc[:-1]], start)
         return inputs, targets, positions, segments
 
+    def attention_work(self) -> np.ndarray:
+        """(N,) per row, the sum of the squared lengths of the document pieces among its inputs: what
+        causal attention within each document costs, up to a constant (a row of one document of T
+        tokens costs T^2, a row of k documents of T / k tokens T^2 / k)."""
+        ends = self.starts + self.lengths - 1  # a row's inputs: [start, start + length - 1)
+        cuts = np.union1d(self.doc_starts, self.starts)
+        cuts = cuts[cuts < ends[-1]]
+        pieces = np.diff(np.r_[cuts, ends[-1]])
+        rows = np.searchsorted(self.starts, cuts, side="right") - 1
+        # A piece ends at the next cut, and rows' input spans end where the next row starts.
+        return np.bincount(rows, weights=pieces.astype(np.float64) ** 2, minlength=len(self)).astype(np.int64)
+
     def valid_targets(self) -> int:
         # Rows overlap by one token: len(tokens) - 1 pairs, minus one per document boundary.
         return len(self.tokens) - self.documents
