@@ -10,10 +10,10 @@ curve, do not depend on the layout.
   first, each to the rank with the fewest tokens so far); each share is sorted by length and cut
   into microbatches of at most `micro_tokens` padded tokens (rows x longest), so sequences of
   similar length share a microbatch and little is padding. Packed rows, all of one length, are
-  split by their attention work next (the sum of their documents' squared lengths). Ranks may run different numbers of
-  microbatches, on every strategy: ddp and zero1 reduce gradients once per step anyway, and where a
-  strategy communicates in every microbatch (zero2, zero3, fsdp) the Engine gives the ranks with
-  fewer microbatches filler microbatches whose targets are all ignored.
+  split by their attention work next (the sum of their documents' squared lengths). Ranks may run
+  different numbers of microbatches, on every strategy: ddp and zero1 reduce gradients once per
+  step anyway, and where a strategy communicates in every microbatch (zero2, zero3, fsdp) the
+  Engine gives the ranks with fewer microbatches filler microbatches whose targets are all ignored.
 - pack: the examples are rows of seq_len tokens cut from all documents laid end to end
   (ddptrain/data/packing.py); documents keep their own positions and attention segments. Either
   of the layouts above then applies to these rows.
@@ -94,8 +94,10 @@ class TrainBatches:
         # Input positions of each example (L - 1): what a budget limits and what ranks balance (compute and
         # memory), masked-out targets included; the objective counts only valid targets (the Engine).
         self._positions = examples.lengths - 1
-        # Packed rows: each row's attention work (its documents' squared lengths), which ranks balance second.
-        self._attention = examples.attention_work() if isinstance(examples, PackedExamples) else None
+        # Packed rows under a token budget: each row's attention work (its documents' squared lengths),
+        # which ranks balance second. The micro_size layout splits by position and never reads it.
+        self._attention = (examples.attention_work() if isinstance(examples, PackedExamples)
+                           and micro_tokens is not None else None)
         # ((step, per-rank microbatches), ...): the two steps computed last, newest first. An immutable
         # tuple swapped in one assignment, so the prefetching thread and the training thread can
         # share it without a lock (a lost update only costs a recomputation of the same layout).
