@@ -3,6 +3,7 @@
     python -m benchmarks.bench_peer                    # 3 interleaved rounds, 2 gloo ranks on CPU
     python -m benchmarks.bench_peer --rounds 5 --contenders ddptrain-pack,hf-group,hf-rebalance
     python -m benchmarks.bench_peer --mode sft         # chats: data=sft against TRL's SFTTrainer (bench_peer_sft.py)
+    python -m benchmarks.bench_peer --mode step        # one rank's step per layout in one process (bench_peer_step.py)
 
 Both train the same model, a small Llama built from a config.json (no weights, no download), on
 the same ragged corpus: the standard-library sources of this interpreter cut into paragraphs
@@ -268,16 +269,21 @@ def run_contender(name: str, args, model_dir: Path, work: Path, round_index: int
 
 def main(argv: list[str] | None = None) -> None:
     modes = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    modes.add_argument("--mode", choices=("text", "sft"), default="text")
+    modes.add_argument("--mode", choices=("text", "sft", "step"), default="text")
     known, argv = modes.parse_known_args(sys.argv[1:] if argv is None else argv)
     if known.mode == "sft":
         from benchmarks.bench_peer_sft import main as sft_main
 
         return sft_main(argv)
+    if known.mode == "step":
+        from benchmarks.bench_peer_step import main as step_main
+
+        return step_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("text", "sft"), default="text",
+    parser.add_argument("--mode", choices=("text", "sft", "step"), default="text",
                         help="text: ragged paragraphs against transformers.Trainer (the flags below); sft: chats "
-                             "against TRL's SFTTrainer (python -m benchmarks.bench_peer --mode sft --help)")
+                             "against TRL's SFTTrainer (python -m benchmarks.bench_peer --mode sft --help); step: "
+                             "one rank's step per layout, interleaved in one process (--mode step --help)")
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"comma-separated, of {', '.join(CONTENDERS)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")

@@ -81,6 +81,25 @@ def test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl():
     assert lines[-1].startswith("best ddptrain layout: ddptrain-") and lines[-1].endswith("(target >= 1.3)"), out
 
 
+def test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process():
+    import_optional("transformers")
+    out = _run("benchmarks.bench_peer", "--mode", "step", "--seq-len", "64", "--width", "32", "--layers", "1",
+               "--steps", "2", "--passes", "2", "--warmup", "1")
+    assert out.startswith("benchmarks.bench_peer --mode step: Llama 1 x 32, seq_len 64, one rank of 2: 8 sequences"), out
+    lines = out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines if "/" not in line and line.split()[:1] and
+            line.split()[0] in ("engine-pack", "engine-group", "hand-group")}
+    assert sorted(rows) == ["engine-group", "engine-pack", "hand-group"], out
+    rate = {name: float(values[0].replace(",", "")) for name, values in rows.items()}
+    efficiency = {name: float(values[1]) for name, values in rows.items()}
+    assert all(len(values) == 4 for values in rows.values()), "tok/s, padding eff., one rate per pass"
+    # both group loops train on the same microbatches; packing computes fewer padded positions
+    assert efficiency["engine-group"] == efficiency["hand-group"] < efficiency["engine-pack"] <= 1, out
+    line = next(line for line in lines if line.startswith("engine-pack / hand-group: "))
+    assert float(line.split()[3].rstrip(";")) == pytest.approx(rate["engine-pack"] / rate["hand-group"], abs=0.006), out
+    assert float(line.split()[-1]) == pytest.approx(efficiency["engine-pack"] / efficiency["hand-group"], abs=0.006)
+
+
 def test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save():
     out = _run("benchmarks.bench_checkpoint", "--mb", "8", "--rounds", "1")
     assert out.startswith("checkpoint of "), out

@@ -81,6 +81,10 @@ COMMANDS = {
         "not run: 12 two-rank training runs (half an hour); tests/test_benchmarks.py runs only its --mode sft",
     "python -m benchmarks.bench_peer --seq-len 256":
         "not run: 12 two-rank training runs (ten minutes); tests/test_benchmarks.py runs only its --mode sft",
+    "python -m benchmarks.bench_peer --mode step --seq-len 1024":
+        "tests/test_benchmarks.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
+    "python -m benchmarks.bench_peer --mode step --seq-len 256":
+        "tests/test_benchmarks.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
     "python -m benchmarks.bench_peer --mode sft --rounds 3":
         "tests/test_benchmarks.py::test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl",
     "pip install 'ddptrain[plot]'": "not run: installs a package (the test extra includes matplotlib)",
