@@ -85,7 +85,7 @@ def test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_on
     import_optional("transformers")
     out = _run("benchmarks.bench_peer", "--mode", "step", "--seq-len", "64", "--width", "32", "--layers", "1",
                "--steps", "2", "--passes", "2", "--warmup", "1")
-    assert out.startswith("benchmarks.bench_peer --mode step: Llama 1 x 32, seq_len 64, one rank of 2: 8 sequences"), out
+    assert out.startswith("benchmarks.bench_peer --mode step: Llama 1 x 32, seq_len 64, one rank of 2: 8 seq"), out
     lines = out.splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in lines if "/" not in line and line.split()[:1] and
             line.split()[0] in ("engine-pack", "engine-group", "hand-group")}
