@@ -54,11 +54,13 @@ def group_by_length_steps(examples, steps: int, per_rank: int, world_size: int, 
     ordered = np.concatenate([part[np.argsort(-examples.lengths[part], kind="stable")]
                               for part in np.split(chosen, range(chunk, len(chosen), chunk))])
     mine = [ordered[first:first + micro] for first in range(0, len(ordered), micro)][::world_size]
-    per_step = max(1, per_rank // micro)
+    per_step = per_rank // micro
     result = []
     for step in range(steps):
         microbatches = []
         for rows in mine[step * per_step:(step + 1) * per_step]:
+            # The Trainer's layout, as bench_peer's hf worker feeds it: all L tokens of an example in,
+            # its L - 1 targets out (examples.collate would give ddptrain's L - 1 input positions).
             width = int(examples.lengths[rows].max())
             inputs = torch.zeros(len(rows), width, dtype=torch.long)
             targets = torch.full((len(rows), width), -100, dtype=torch.long)
@@ -150,10 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    if args.global_batch % args.world_size or args.global_batch // args.world_size < 1:
-        parser.error(f"--global-batch {args.global_batch} must be a positive multiple of --world-size "
-                     f"{args.world_size}")
-    per_rank = args.global_batch // args.world_size
+    per_rank, remainder = divmod(args.global_batch, args.world_size * args.micro)
+    if remainder or per_rank < 1:
+        parser.error(f"--global-batch {args.global_batch} must be a positive multiple of --micro {args.micro} x "
+                     f"--world-size {args.world_size} (the Trainer's accumulation steps are whole)")
+    per_rank *= args.micro
     examples = training_examples(args)
     rows = max(1, packed_rows(args, examples) // args.world_size)
     rng = np.random.default_rng(SEED)

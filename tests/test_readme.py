@@ -78,9 +78,9 @@ COMMANDS = {
     "python -m benchmarks.bench_checkpoint --mb 200 --rounds 3":
         "tests/test_benchmarks.py::test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save",
     "python -m benchmarks.bench_peer --seq-len 1024":
-        "not run: 12 two-rank training runs (half an hour); tests/test_benchmarks.py runs only its --mode sft",
+        "not run: 12 two-rank training runs (half an hour); tests/test_benchmarks.py runs its --mode sft and step",
     "python -m benchmarks.bench_peer --seq-len 256":
-        "not run: 12 two-rank training runs (ten minutes); tests/test_benchmarks.py runs only its --mode sft",
+        "not run: 12 two-rank training runs (ten minutes); tests/test_benchmarks.py runs its --mode sft and step",
     "python -m benchmarks.bench_peer --mode step --seq-len 1024":
         "tests/test_benchmarks.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
     "python -m benchmarks.bench_peer --mode step --seq-len 256":
