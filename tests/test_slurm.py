@@ -226,27 +226,36 @@ def final_model_state(run_dir: Path) -> tuple[int, dict]:
     return state["step"], read_weights(latest)
 
 
+# checkpoint.every = max_steps: the only regular checkpoint is the final one, to compare.
+PREEMPT_RUN = [o for o in TINY_RUN if not o.startswith("trainer.max_steps=")] + [
+    f"trainer.max_steps={PREEMPT_STEPS}", f"checkpoint.every={PREEMPT_STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def preempt_reference(slurm_env, tmp_path_factory) -> Path:
+    """Both templates' reference, run once: the same world size (2 ranks: one node of 2, or two
+    nodes of 1) and overrides, without Slurm and without interruption."""
+    reference_dir = tmp_path_factory.mktemp("preempt") / "reference"
+    reference = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "ddptrain", f"run.dir={reference_dir}"] + PREEMPT_RUN,
+        capture_output=True, text=True, cwd=REPO, timeout=180, env=slurm_env)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    return reference_dir
+
+
 @pytest.mark.parametrize(
     ("template", "nproc_per_node"),
     [("single_node.sbatch", "2"), ("multi_node.sbatch", "1")],
     ids=["single-node", "two-nodes"],
 )
 def test_preempted_job_checkpoints_requeues_and_matches_uninterrupted_run(
-        slurm_env, tmp_path, template, nproc_per_node):
+        slurm_env, preempt_reference, tmp_path, template, nproc_per_node):
     """scancel --signal=USR1 --batch mid-run: the batch script forwards USR1 to the ranks, they
     checkpoint and exit, the job requeues itself, resumes from the checkpoint, and ends with the
     parameters of an uninterrupted run."""
-    overrides = [o for o in TINY_RUN if not o.startswith("trainer.max_steps=")]
-    # checkpoint.every = max_steps: the only regular checkpoint is the final one, to compare.
-    overrides += [f"trainer.max_steps={PREEMPT_STEPS}", f"checkpoint.every={PREEMPT_STEPS}"]
-
-    # The reference: the same world size (2 ranks) without Slurm and without interruption.
-    reference_dir = tmp_path / "reference"
-    reference = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "ddptrain", f"run.dir={reference_dir}"] + overrides,
-        capture_output=True, text=True, cwd=REPO, timeout=180, env=slurm_env)
-    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    overrides = PREEMPT_RUN
+    reference_dir = preempt_reference
 
     run_dir = tmp_path / "run"
     job_id = submit(template, [f"run.dir={run_dir}"] + overrides, tmp_path, slurm_env,

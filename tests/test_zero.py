@@ -75,6 +75,10 @@ def _stage_run(stage: int, checkpoint_dir: str) -> dict:
     restored = _engine(stage, seed=1)
     restored.load(checkpoint_dir)
     out["restored"] = restored.model_state_dict()
+    # DeepSpeed imported its Muon module (it does on every stage), whose kernels load Inductor
+    # when wrapped in torch.compile at import; ddptrain defers that wrapping to their first call.
+    out["muon_imported"] = "deepspeed.runtime.zero.muon.original_muon" in sys.modules
+    out["inductor_loaded"] = "torch._inductor.compile_fx" in sys.modules
     return out
 
 
@@ -122,6 +126,8 @@ def test_zero_step_equals_one_process_on_global_mean_token_loss(stage_runs, stag
         assert relative_difference(update(out["weights"], before), update(ref_params, before)) < 1e-3
     assert results[0]["stats"].loss == results[1]["stats"].loss
     assert all(torch.equal(results[0]["weights"][k], results[1]["weights"][k]) for k in ref_params)
+    assert all(out["muon_imported"] and not out["inductor_loaded"] for out in results), \
+        "a ZeRO start-up loaded TorchInductor (DeepSpeed's Muon kernels wrapped in torch.compile at import)"
 
 
 @requires_deepspeed
@@ -170,6 +176,35 @@ def test_zero_checkpoint_converts_to_the_model_state_dict(stage_runs, stage, tmp
 
 
 # -- config, errors and imports: no process group needed -----------------------------------------------
+
+
+def _muon_kernel_at_first_call() -> dict:
+    import torch._dynamo.utils
+
+    from ddptrain.strategies.deepspeed import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.runtime.zero.muon import original_muon
+
+    before = "torch._inductor.compile_fx" in sys.modules
+    gradient = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    compiled = original_muon.zeropower_via_newtonschulz5(gradient, 5)
+    return {"inductor_before": before, "inductor_after": "torch._inductor.compile_fx" in sys.modules,
+            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            "compiled": compiled, "eager": original_muon.zeropower_via_newtonschulz5.__wrapped__(gradient, 5)}
+
+
+@requires_deepspeed
+@pytest.mark.slow
+def test_deepspeeds_muon_kernels_still_compile_at_their_first_call():
+    """The other side of deferring DeepSpeed's `compiler.compile()`: a Muon kernel is torch.compile'd
+    (one Inductor graph) when first called, and computes what the undecorated function does (to its
+    bf16 arithmetic)."""
+    (out,) = run_distributed(_muon_kernel_at_first_call, 1)
+    assert not out["inductor_before"] and out["inductor_after"]
+    assert out["graphs"] == 1
+    assert torch.allclose(out["compiled"], out["eager"], atol=0.05), (out["compiled"] - out["eager"]).abs().max()
+    assert out["compiled"].abs().max() > 0.1
 
 
 def test_deepspeed_config_is_derived_and_checked():

@@ -77,7 +77,48 @@ def import_deepspeed(strategy: str = "zero"):
         import deepspeed
     except ImportError as err:
         raise ImportError(f"strategy {strategy!r} needs DeepSpeed, which is not installed: {INSTALL_HINT}") from err
+    _defer_deepspeed_compiles()
     return deepspeed
+
+
+def _defer_deepspeed_compiles() -> None:
+    """Wrap the functions DeepSpeed decorates with `deepspeed.runtime.compiler.compile()` in
+    torch.compile at their first call, not when their module is imported.
+
+    `deepspeed.initialize` imports its Muon optimizer on every ZeRO stage, Muon or not (to ask
+    `isinstance(optimizer, MuonWithAuxAdam)`), and that module applies `@compiler.compile()` to its
+    kernels at import: `torch.compile(fn)` loads TorchInductor there and then, 1.5 to 2 s of CPU
+    per rank at every start (the kernels themselves compile at their first call either way). In 0.19 only
+    those kernels use `compiler.compile`; deferring the wrapper changes when Inductor is loaded,
+    nothing that runs. A no-op once the Muon module is imported (its kernels are wrapped already).
+    """
+    import functools
+    import sys
+
+    from deepspeed.runtime import compiler
+
+    if getattr(compiler.compile, "deferred_by_ddptrain", False) or \
+            "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
+        return
+    eager = compiler.compile
+
+    def deferred_compile():
+        def decorate(function):
+            compiled = None
+
+            @functools.wraps(function)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = eager()(function)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    deferred_compile.deferred_by_ddptrain = True
+    compiler.compile = deferred_compile
 
 
 def _plain(value: Any) -> Any:
