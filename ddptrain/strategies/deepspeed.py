@@ -72,7 +72,8 @@ _REJECTED = {
 
 
 def import_deepspeed(strategy: str = "zero"):
-    """`import deepspeed`, or an ImportError that says how to install it."""
+    """`import deepspeed` (its Muon kernels' torch.compile deferred: `_defer_deepspeed_compiles`), or
+    an ImportError that says how to install it."""
     try:
         import deepspeed
     except ImportError as err:
@@ -88,9 +89,10 @@ def _defer_deepspeed_compiles() -> None:
     `deepspeed.initialize` imports its Muon optimizer on every ZeRO stage, Muon or not (to ask
     `isinstance(optimizer, MuonWithAuxAdam)`), and that module applies `@compiler.compile()` to its
     kernels at import: `torch.compile(fn)` loads TorchInductor there and then, 1.5 to 2 s of CPU
-    per rank at every start (the kernels themselves compile at their first call either way). In 0.19 only
-    those kernels use `compiler.compile`; deferring the wrapper changes when Inductor is loaded,
-    nothing that runs. A no-op once the Muon module is imported (its kernels are wrapped already).
+    per rank at every start (the kernels themselves compile at their first call either way). In
+    DeepSpeed 0.19 only those kernels use `compiler.compile`; deferring the wrapper changes when
+    Inductor is loaded, nothing that runs. A no-op once the Muon module is imported (its kernels
+    are wrapped already).
     """
     import functools
     import sys
