@@ -14,11 +14,11 @@ from omegaconf import DictConfig
 
 from ddptrain.config.compose import CONFIG_PATH, register_configs
 from ddptrain.config.schema import ConfigError
-from ddptrain.config.validation import validate
 from ddptrain.data import DataError
 from ddptrain.distributed import (destroy_distributed, env_world_size, init_distributed, set_parent_death_signal,
                                   setup_logging)
 from ddptrain.models.spec import ModelError
+from ddptrain.train.builder import validate_run
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.preemption import Preempted
 from ddptrain.train.rundir import RunDirError
@@ -42,7 +42,7 @@ def _exit_with_the_other_ranks(code: int) -> None:
 def train(cfg: DictConfig) -> None:
     setup_logging()
     try:
-        validate(cfg, env_world_size())  # before the process group: fails fast on every rank
+        validate_run(cfg, env_world_size())  # before the process group: fails fast on every rank
     except ConfigError as error:
         logging.getLogger("ddptrain").error("config error: %s", error)
         _exit_with_the_other_ranks(2)

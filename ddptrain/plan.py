@@ -21,8 +21,8 @@ from hydra.errors import HydraException
 
 from ddptrain.config.compose import compose_config
 from ddptrain.config.schema import ConfigError
-from ddptrain.config.validation import validate
 from ddptrain.distributed import env_world_size
+from ddptrain.train.builder import validate_run
 from ddptrain.train.plan import format_plan, parse_bytes, plan_for_config
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = args.world_size or env_world_size()
     try:
         cfg = compose_config(overrides)
-        validate(cfg, world_size)
+        validate_run(cfg, world_size)
     except (ConfigError, HydraException) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

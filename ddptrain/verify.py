@@ -39,7 +39,6 @@ from torch import nn
 from ddptrain.config.choices import STRATEGIES
 from ddptrain.config.compose import compose_config
 from ddptrain.config.schema import ConfigError
-from ddptrain.config.validation import validate
 from ddptrain.data import DataError
 from ddptrain.distributed import destroy_distributed, env_world_size, init_distributed, is_rank_zero, setup_logging
 from ddptrain.engine.engine import AUTOCAST
@@ -240,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging()
     try:
         cfg = compose_config(args.overrides)
-        validate(cfg, env_world_size())
+        builder.validate_run(cfg, env_world_size())
     except (ConfigError, HydraException) as error:
         print(f"config error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)

@@ -90,6 +90,8 @@ BAD_CONFIGS = [
     (["trainer.max_stepz=3"], 1, ["max_stepz"]),
     (["batch.micro_tokens=100", "batch.seq_len=128"], 1, ["batch.micro_tokens=100 must be >= batch.seq_len=128"]),
     (["trainer.precision=fp64", "strategy=zero2"], 1, ["trainer.precision=fp64 is not supported with strategy=zero2"]),
+    (["strategy=zero2", "++strategy.deepspeed.gradient_clipping=0.5"], 2,
+     ["config error: strategy.deepspeed.gradient_clipping=0.5 contradicts trainer.grad_clip"]),
     (["batch.global_size=6", "batch.micro_size=4"], 2,
      ["batch.global_size=6 must be divisible by batch.micro_size=4 x world size 2"]),
 ]
@@ -103,4 +105,4 @@ def test_bad_config_fails_before_training_on_every_rank(tmp_path, overrides, ran
     assert result.returncode != 0
     for message in messages:
         assert output.count(message) >= ranks, f"{message!r} not reported by all {ranks} ranks:\n{output[-3000:]}"
-    assert not (run_dir / "metrics.jsonl").exists(), "training must not start"
+    assert not run_dir.exists(), "a config error must fail before the run dir is made"

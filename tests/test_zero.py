@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ddptrain
+from ddptrain.config.schema import ConfigError
 from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
 from ddptrain.testing import run_distributed
 from tests.helpers import (TINY_RUN, microbatch, read_metrics, relative_difference, requires_deepspeed, run_cli,
@@ -228,6 +229,25 @@ def test_deepspeed_config_is_derived_and_checked():
     for extra, message in bad:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             deepspeed_config(2, micro_batch_size=2, grad_accum_steps=4, world_size=2, grad_clip=1.0, extra=extra)
+
+
+def test_a_contradicting_deepspeed_key_is_a_config_error_before_anything_starts(monkeypatch):
+    """`validate_run` refuses what ZeRO's `setup` would refuse, without DeepSpeed, from the config alone."""
+    from ddptrain.config import compose_config
+    from ddptrain.train.builder import validate_run
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # the check must not need DeepSpeed itself
+    base = ["strategy=zero2", "batch.global_size=8", "batch.micro_size=2"]
+    assert validate_run(compose_config([*base, "++strategy.deepspeed.gradient_accumulation_steps=2"]), 2) == 2
+    bad = [
+        ("++strategy.deepspeed.gradient_clipping=0.5", "strategy.deepspeed.gradient_clipping=0.5 contradicts "
+                                                       "trainer.grad_clip"),
+        ("++strategy.deepspeed.gradient_accumulation_steps=4", "gradient_accumulation_steps=4 contradicts"),
+        ("++strategy.deepspeed.scheduler.type=WarmupLR", "strategy.deepspeed.scheduler is not supported"),
+    ]
+    for override, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            validate_run(compose_config([*base, override]), 2)
 
 
 def test_zero_without_deepspeed_says_how_to_install(monkeypatch):

@@ -22,12 +22,23 @@ def strategy_class(name: str) -> type[Strategy]:
     return getattr(importlib.import_module(module), attr)
 
 
+def _split_layout(options: dict) -> tuple[dict, StepLayout]:
+    """The strategy's own options, and the step layout (`micro_batch_size`, `grad_accum_steps`)."""
+    layout_keys = {f.name for f in dataclasses.fields(StepLayout)}
+    layout = StepLayout(**{k: v for k, v in options.items() if k in layout_keys})
+    return {k: v for k, v in options.items() if k not in layout_keys}, layout
+
+
 def build_strategy(name: str, **options) -> Strategy:
     """The strategy called `name`, from its options (`micro_batch_size` and `grad_accum_steps`
     describe the step layout; the other keys are the strategy's own Options)."""
-    layout_keys = {f.name for f in dataclasses.fields(StepLayout)}
-    layout = StepLayout(**{k: v for k, v in options.items() if k in layout_keys})
-    return strategy_class(name).from_config({k: v for k, v in options.items() if k not in layout_keys}, layout)
+    return strategy_class(name).from_config(*_split_layout(options))
 
 
-__all__ = ["Strategy", "StepLayout", "build_strategy", "strategy_class", "STRATEGY_NAMES"]
+def check_strategy_config(name: str, *, world_size: int, grad_clip: float | None, **options) -> None:
+    """What `build_strategy(name, **options)` and its `setup` would refuse (a ValueError), checked
+    now, without the strategy's library or a process group."""
+    strategy_class(name).check_config(*_split_layout(options), world_size=world_size, grad_clip=grad_clip)
+
+
+__all__ = ["Strategy", "StepLayout", "build_strategy", "check_strategy_config", "strategy_class", "STRATEGY_NAMES"]

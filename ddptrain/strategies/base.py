@@ -69,6 +69,11 @@ class Strategy(abc.ABC):
         """Built from its config section (a dict without `name`)."""
         return cls(**options)
 
+    @classmethod
+    def check_config(cls, options: dict, layout: StepLayout, *, world_size: int, grad_clip: float | None) -> None:
+        """Refuse (ValueError naming the key, the value and the rule) options that `setup` would
+        refuse, before any process group or run dir exists. Nothing to check by default."""
+
     def configure(self, *, grad_clip: float | None, precision: str, save_frozen: bool = True) -> None:
         """The Engine's step settings, given before `setup`."""
         if precision not in self.supported_precisions:

@@ -51,7 +51,7 @@ _DERIVED_FROM = {
     "train_micro_batch_size_per_gpu": "batch.micro_size",
     "gradient_accumulation_steps": "accumulation steps (batch.global_size / (batch.micro_size x world size))",
     "train_batch_size": "batch.global_size (micro size x accumulation x world size)",
-    "gradient_clipping": "trainer.grad_clip (0.0 = no clipping)",
+    "gradient_clipping": "trainer.grad_clip (null: no clipping, which DeepSpeed spells 0.0)",
     "zero_optimization.stage": "strategy",
     "bf16.enabled": "trainer.precision (bf16 is the Engine's autocast over fp32 weights)",
     "fp16.enabled": "trainer.precision (fp16 is not supported)",
@@ -250,6 +250,12 @@ class DeepSpeedStrategy(Strategy):
     @classmethod
     def from_config(cls, options: dict, layout: StepLayout) -> "DeepSpeedStrategy":
         return cls(micro_batch_size=layout.micro_batch_size, grad_accum_steps=layout.grad_accum_steps, **options)
+
+    @classmethod
+    def check_config(cls, options: dict, layout: StepLayout, *, world_size: int, grad_clip: float | None) -> None:
+        # the config `setup` derives, without DeepSpeed: the same checks, before anything starts
+        deepspeed_config(cls.stage, micro_batch_size=layout.micro_batch_size, grad_accum_steps=layout.grad_accum_steps,
+                         world_size=world_size, grad_clip=grad_clip, extra=options.get("deepspeed"))
 
     def __init__(self, micro_batch_size: int = 1, grad_accum_steps: int = 1, deepspeed: Mapping | None = None):
         self._deepspeed = import_deepspeed(self.name)

@@ -17,7 +17,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddptrain.config.validation import grad_accum_steps, strategy_options
+from ddptrain.config.schema import ConfigError
+from ddptrain.config.validation import grad_accum_steps, strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.distributed import DistInfo, pick_device, raise_on_every_rank
 from ddptrain.engine.engine import Engine
@@ -26,6 +27,7 @@ from ddptrain.models.adapters import ModelAdapter, adapter_for
 from ddptrain.models import attention
 from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract
 from ddptrain.models.compiling import compile_model
+from ddptrain.strategies import check_strategy_config
 from ddptrain.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,19 @@ def step_layout(cfg, world_size: int) -> dict:
     varies = batch.micro_tokens is not None or batch.pack  # microbatches per step vary by step and rank
     return {"micro_batch_size": batch.micro_size,
             "grad_accum_steps": 1 if varies else grad_accum_steps(batch.global_size, batch.micro_size, world_size)}
+
+
+def validate_run(cfg, world_size: int) -> int:
+    """`validate` (the config's own rules), then the strategy's rules on its section (ZeRO: the
+    DeepSpeed config ddptrain derives, against strategy.deepspeed); returns the accumulation steps.
+    Both fail as a ConfigError before the process group or the run dir exists."""
+    accumulation = validate(cfg, world_size)
+    try:
+        check_strategy_config(cfg.strategy.name, world_size=world_size, grad_clip=cfg.trainer.grad_clip,
+                              **strategy_options(cfg.strategy), **step_layout(cfg, world_size))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return accumulation
 
 
 def describe_layout(cfg, world_size: int) -> str:
