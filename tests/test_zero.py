@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +77,18 @@ def _stage_run(stage: int, checkpoint_dir: str) -> dict:
     restored = _engine(stage, seed=1)
     restored.load(checkpoint_dir)
     out["restored"] = restored.model_state_dict()
+    # With AdamW's moments: what each rank holds of a checkpoint while it is written (its share).
+    model = tiny_gpt(torch.float32, seed=2)
+    adam = ddptrain.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), f"zero{stage}",
+                           strategy_options=OPTIONS)
+    adam.step(zero_microbatches(rank))
+    share = adam.strategy.state_to_save()
+    out["share"] = {"model": {key: value.numel() for key, value in share["model"].items()},
+                    "optimizer": {name: {key: value.numel() for key, value in entry.items()}
+                                  for name, entry in share["optimizer"]["state"].items()}}
+    out["adam_weights"] = adam.model_state_dict()
+    out["trainable"] = sorted(name for name, param in adam.strategy.module.named_parameters() if param.requires_grad)
+    adam.save(f"{checkpoint_dir}-adam")
     # DeepSpeed imported its Muon module (it does on every stage), whose kernels load Inductor
     # when wrapped in torch.compile at import; ddptrain defers that wrapping to their first call.
     out["muon_imported"] = "deepspeed.runtime.zero.muon.original_muon" in sys.modules
@@ -156,6 +169,32 @@ def test_zero_ranks_with_different_microbatch_counts(stage_runs, stage):
         assert out["ragged_count_stats"].filler_microbatches == (0 if stage == 1 else 1)
         # The optimizer state is partitioned: Engine.state_dict() must not pretend to hold it.
         assert "sharded over ranks" in out["state_dict_error"]
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+def test_each_rank_holds_only_its_share_of_a_zero_checkpoint(stage_runs, stage):
+    """While a ZeRO checkpoint is written, the ranks hold disjoint shares of its weights and optimizer
+    state (balanced by size), not every rank all of it; the directory still holds all of it."""
+    from ddptrain.strategies import state as neutral
+
+    results, checkpoint_dir = stage_runs(stage)
+    saved = neutral.read_full(Path(f"{checkpoint_dir}-adam"), collective=False)
+    weights = results[0]["adam_weights"]
+    assert set(saved["model"]) == set(weights)
+    assert all(torch.equal(saved["model"][key], weights[key]) for key in weights)
+    assert sorted(saved["optimizer"]["state"]) == results[0]["trainable"]
+    for name, entry in saved["optimizer"]["state"].items():
+        assert sorted(entry) == ["exp_avg", "exp_avg_sq", "step"], (name, sorted(entry))
+        assert entry["exp_avg"].shape == weights[name].shape and entry["exp_avg"].abs().sum() > 0, name
+    shares = [out["share"] for out in results]
+    for section in ("model", "optimizer"):
+        keys = [set(share[section]) for share in shares]
+        assert not keys[0] & keys[1], (section, keys[0] & keys[1])
+        assert keys[0] | keys[1] == set(saved[section] if section == "model" else saved["optimizer"]["state"])
+    held = [sum(share["model"].values()) + sum(sum(entry.values()) for entry in share["optimizer"].values())
+            for share in shares]
+    assert max(held) < 0.6 * sum(held), held  # the whole state would be 1.0 on each rank
 
 
 @requires_deepspeed

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import os
 from collections.abc import Mapping
 import json
@@ -347,35 +348,58 @@ class DeepSpeedStrategy(Strategy):
     def model_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """Full weights as CPU tensors on every rank; stage 3 gathers each parameter collectively
         (with `trainable_only`, only those that train)."""
+        return self._full_weights(trainable_only, keep=lambda tensor: True)
+
+    def _full_weights(self, trainable_only: bool, keep) -> dict[str, torch.Tensor]:
+        """The full weights for which `keep(tensor)` holds, as CPU copies (tied weights share one).
+        Collective on stage 3: every rank joins each parameter's gather, kept or not."""
         skip = self.frozen_names(self._module) if trainable_only else set()
         state = {k: v for k, v in self._module.state_dict(keep_vars=True).items() if k not in skip}
-        if self.stage < 3:
-            return {k: v.detach().cpu().clone() for k, v in state.items()}
-        gathered: dict[int, torch.Tensor] = {}  # by id: tied weights are one parameter
+        copies: dict[int, torch.Tensor] = {}  # by id: tied weights are one parameter
         out = {}
         for key, tensor in state.items():
-            if hasattr(tensor, "ds_id"):
-                if id(tensor) not in gathered:
+            if id(tensor) not in copies:
+                if hasattr(tensor, "ds_id"):  # stage 3: the parameter is whole only inside a gather
                     with self._deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                        gathered[id(tensor)] = tensor.detach().cpu().clone()
-                out[key] = gathered[id(tensor)]
-            else:
-                out[key] = tensor.detach().cpu().clone()
+                        copies[id(tensor)] = tensor.detach().cpu().clone() if keep(tensor) else None
+                else:
+                    copies[id(tensor)] = tensor.detach().cpu().clone() if keep(tensor) else None
+            if copies[id(tensor)] is not None:
+                out[key] = copies[id(tensor)]
         return out
+
+    def _owners(self) -> dict[int, int]:
+        """The rank that holds and writes each tensor of a checkpoint (by id), weights and optimizer
+        state together, balanced by size (`neutral.balanced_owners`)."""
+        sizes: dict[int, int] = {}
+        for tensor in self._module.state_dict(keep_vars=True).values():
+            sizes.setdefault(id(tensor), math.prod(getattr(tensor, "ds_shape", tensor.shape)))
+        return neutral.balanced_owners(sizes, self._world_size)
 
     def state_to_save(self) -> dict:
         """The neutral layout (ddptrain/strategies/state.py) that every strategy loads: the full fp32
         weights, and each parameter's optimizer state assembled from ZeRO's partitions by name
-        (DeepSpeed's `safe_get_full_optimizer_state`; collective, one parameter at a time)."""
+        (DeepSpeed's `safe_get_full_optimizer_state`; collective, one parameter at a time).
+
+        Each rank keeps only its share (`_owners`), so no rank holds the whole model and its
+        optimizer state in host memory at once: the largest is about 1/world of it, plus the one
+        parameter being assembled. DCP writes each key from the rank that holds it."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        model = self.model_state_dict(trainable_only=not self.save_frozen)
+        owner, rank = self._owners(), get_rank()
+        model = self._full_weights(not self.save_frozen, keep=lambda tensor: owner[id(tensor)] == rank)
         scalars, moments = self._optimizer_keys()
         states = {}
         for name, param in neutral.trainable_names(self._module).items():
-            entry = {key: safe_get_full_optimizer_state(param, key).detach().cpu() for key in moments}
-            entry.update({key: value.detach().cpu().clone() for key, value in scalars.items()})
-            states[name] = entry
+            entry = {}
+            for key in moments:  # collective: every rank assembles it, its owner keeps it
+                value = safe_get_full_optimizer_state(param, key)
+                if owner[id(param)] == rank:
+                    entry[key] = value.detach().cpu()
+                del value
+            if owner[id(param)] == rank:
+                entry.update({key: value.detach().cpu().clone() for key, value in scalars.items()})
+                states[name] = entry
         groups = [{**{key: value for key, value in group.items() if key != "params"}, "params": names}
                   for group, names in zip(self.optimizer.param_groups, self._group_names)]
         return {"model": model, "optimizer": {"state": states, "param_groups": groups}}

@@ -40,7 +40,8 @@ def is_neutral(directory: Path) -> bool:
 
 def save(state: dict, directory: Path) -> None:
     """Collective: write `state` ({"model": ..., "optimizer": ...}) as a DCP directory. Plain tensors
-    that every rank holds are written once (DCP deduplicates them); DTensors each rank its shards."""
+    that every rank holds are written once (DCP deduplicates them); DTensors each rank its shards;
+    a key that only some ranks hold (ZeRO: each rank its share, see `balanced_owners`) by them."""
     dcp.save(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
 
 
@@ -99,6 +100,20 @@ def _set_path(tree: dict, path: tuple, value: Any) -> None:
         while len(node) <= last:
             node.append(None)
     node[last] = value
+
+
+def balanced_owners(sizes: dict, world_size: int) -> dict:
+    """Which rank holds and writes each item of a checkpoint, for a strategy whose tensors are full
+    only while gathered (ZeRO's partitions): the largest first, each to the rank holding the fewest
+    elements so far (the lower rank on a tie). `sizes` maps an item to its element count; every rank
+    computes the same owners from the same sizes in the same order."""
+    load = [0] * world_size
+    owners = {}
+    for key in sorted(sizes, key=lambda item: -sizes[item]):  # stable: equal sizes keep their order
+        rank = min(range(world_size), key=load.__getitem__)
+        owners[key] = rank
+        load[rank] += sizes[key]
+    return owners
 
 
 def zero_step_counts(states) -> None:
