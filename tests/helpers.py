@@ -60,6 +60,15 @@ def run_cli(args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: f
     return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def finished_run(tmp_path_factory, name: str, args: list[str], nproc: int = 1) -> Path:
+    """A run trained to its end in a new temporary directory: for module fixtures, whose tests
+    read it or change a copy of it."""
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    result = run_cli([*args, f"run.dir={run_dir}"], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

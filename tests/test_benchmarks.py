@@ -109,6 +109,16 @@ def test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save():
     assert asynchronous == pytest.approx(start + commit, abs=2e-3) and sync > 0 and steps >= 0, out
 
 
+def test_startup_benchmark_prints_launches_with_and_without_the_import_pause():
+    out = _run("benchmarks.bench_startup", "--rounds", "1", "--steps", "1")
+    assert out.startswith("benchmarks.bench_startup: 1 rank(s)"), out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.split()[:1] in (["ddptrain"], ["baseline"]) and "/" not in line}
+    assert set(rows) == {"ddptrain", "baseline"}, out
+    assert all(float(wall) > 0 and float(cpu) > 0 for wall, cpu, *_ in rows.values()), out
+    assert "ddptrain / baseline CPU:" in out, out
+
+
 def test_attention_benchmark_prints_every_backend_beside_causal_sdpa():
     out = _run("benchmarks.bench_attention", "--seq-lens", "64,128", "--rows", "1", "--heads", "2", "--head-dim", "8",
                "--rounds", "1", "--repeats", "1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,9 +112,17 @@ def test_a_kill_during_an_async_save_resumes_from_the_previous_checkpoint_bitwis
     assert_bitwise_equal(final_weights(tmp_path, 12), final_weights(straight, 12))
 
 
+@pytest.fixture(scope="module")
+def nine_steps(tmp_path_factory):
+    """A 1-rank run with checkpoints at steps 3, 6 and 9, for tests that damage a copy of it."""
+    run_dir = tmp_path_factory.mktemp("nine-steps") / "run"
+    train(run_dir, "trainer.max_steps=9", "checkpoint.every=3", "checkpoint.keep=5", nproc=1)
+    return run_dir
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupted_newest_checkpoint_is_named_and_skipped(straight, tmp_path, damage):
-    train(tmp_path, "trainer.max_steps=9", "checkpoint.every=3", "checkpoint.keep=5", nproc=1)
+def test_corrupted_newest_checkpoint_is_named_and_skipped(nine_steps, tmp_path, damage):
+    shutil.copytree(nine_steps, tmp_path, dirs_exist_ok=True)
     bad = tmp_path / "checkpoints" / ckpt.step_name(9) / "trainer.pt"
     data = bytearray(bad.read_bytes())
     bad.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:100] + bytes(b ^ 0xFF for b in data[100:140]) + data[140:])
@@ -195,8 +204,10 @@ def test_nan_with_stop_policy_exits_on_every_rank_and_keeps_the_last_checkpoint(
 
 def test_stuck_peer_fails_within_the_timeout_naming_the_step(tmp_path):
     started = time.monotonic()
-    result = train(tmp_path, "trainer.max_steps=6", "dist.timeout_s=5", env={"DDPTRAIN_FAILPOINT": "hang@3:1"},
-                   check=False)
+    # the stuck rank, SIGTERMed by torchrun, waits checkpoint.preempt_grace_s for a step boundary it
+    # never reaches (25 s by default; test_rundir tests that wait): 2 s here
+    result = train(tmp_path, "trainer.max_steps=6", "dist.timeout_s=5", "checkpoint.preempt_grace_s=2",
+                   env={"DDPTRAIN_FAILPOINT": "hang@3:1"}, check=False)
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode != 0

@@ -11,7 +11,8 @@ import torch
 
 import ddptrain
 from ddptrain.models.build import ModelError
-from tests.helpers import TINY_RUN, import_deepspeed, import_optional, read_metrics, run_cli, save_bpe_tokenizer
+from tests.helpers import (TINY_RUN, finished_run, import_deepspeed, import_optional, read_metrics, run_cli,
+                           save_bpe_tokenizer)
 
 transformers = import_optional("transformers")
 
@@ -224,19 +225,25 @@ def test_rerunning_with_more_steps_resumes_bit_exactly_and_keeps_the_metrics(tmp
     assert shorter.returncode == 2 and "past trainer.max_steps=6" in shorter.stderr
 
 
+TWO_STEPS = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=8", "trainer.max_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    return finished_run(tmp_path_factory, "two-steps", TWO_STEPS)
+
+
 @pytest.mark.slow
-def test_changing_max_steps_without_decay_steps_warns_about_the_schedule(tmp_path):
-    base = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=8", f"run.dir={tmp_path}"]
-    assert run_cli([*base, "trainer.max_steps=2"]).returncode == 0
-    result = run_cli([*base, "trainer.max_steps=3"])
+def test_changing_max_steps_without_decay_steps_warns_about_the_schedule(two_steps, tmp_path):
+    shutil.copytree(two_steps, tmp_path, dirs_exist_ok=True)
+    result = run_cli([*TWO_STEPS, f"run.dir={tmp_path}", "trainer.max_steps=3"])
     assert result.returncode == 0 and "the LR schedule now runs over 3 steps instead of 2" in result.stderr
 
 
 @pytest.mark.slow
-def test_load_model_falls_back_to_the_newest_checkpoint(tmp_path):
+def test_load_model_falls_back_to_the_newest_checkpoint(two_steps, tmp_path):
     run_dir = tmp_path / "run"
-    args = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=8", "trainer.max_steps=2"]
-    assert run_cli([*args, f"run.dir={run_dir}"]).returncode == 0
+    shutil.copytree(two_steps, run_dir)
     final = {k: v.clone() for k, v in ddptrain.load_model(run_dir).state_dict().items()}
     shutil.rmtree(run_dir / "final")
     from_checkpoint = ddptrain.load_model(run_dir).state_dict()

@@ -69,6 +69,10 @@ COMMANDS = {
     "python -m benchmarks.bench_checkpoint --mb 200 --rounds 3":
         "tests/test_benchmarks.py::test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save",
     "python -m benchmarks.bench_memory": "tests/test_benchmarks.py::test_memory_benchmark_compares_ddp_and_zero1",
+    "python -m benchmarks.bench_startup --rounds 8":
+        "tests/test_benchmarks.py::test_startup_benchmark_prints_launches_with_and_without_the_import_pause",
+    "python -m benchmarks.bench_startup --rounds 6 --nproc 2":
+        "not run: the same benchmark over torchrun (12 two-rank launches); its 1-rank form is tested",
     "python -m benchmarks.bench_memory_ac --packed --models gpt,llama --seq-len 1024,2048,4096 --batch 2":
         "tests/test_benchmarks.py::test_packed_memory_benchmark_prints_the_dense_mask_beside_the_default_backend",
     "python -m ddptrain.plan --world-size 16 --ranks-per-node 8 --device-memory 80GiB --bandwidth 200GB/s "

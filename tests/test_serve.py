@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import REPO, import_optional, run_cli
+from tests.helpers import REPO, finished_run, import_optional
 
 import_optional("transformers")
 import_optional("fastapi")
@@ -49,10 +49,7 @@ PROMPTS = ["def __init__(self", "import ", "class Foo", "    return ", "if __nam
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("served") / "run"
-    result = run_cli([*TRAIN, f"run.dir={run_dir}"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    return finished_run(tmp_path_factory, "served", TRAIN)
 
 
 @pytest.fixture(scope="module")
