@@ -89,11 +89,45 @@ def _stage_run(stage: int, checkpoint_dir: str) -> dict:
     out["adam_weights"] = adam.model_state_dict()
     out["trainable"] = sorted(name for name, param in adam.strategy.module.named_parameters() if param.requires_grad)
     adam.save(f"{checkpoint_dir}-adam")
+    out["reload"] = _reload_in_parts(stage, f"{checkpoint_dir}-adam", share)
     # DeepSpeed imported its Muon module (it does on every stage), whose kernels load Inductor
     # when wrapped in torch.compile at import; ddptrain defers that wrapping to their first call.
     out["muon_imported"] = "deepspeed.runtime.zero.muon.original_muon" in sys.modules
     out["inductor_loaded"] = "torch._inductor.compile_fx" in sys.modules
     return out
+
+
+def _flat(tree, prefix=()) -> dict:
+    if isinstance(tree, dict):
+        return {path: value for key, below in tree.items() for path, value in _flat(below, (*prefix, key)).items()}
+    return {prefix: tree}
+
+
+def _reload_in_parts(stage: int, directory: str, share: dict) -> dict:
+    """Load `directory` into a differently initialised AdamW engine, reading at most 1,000 elements
+    at a time: the share this rank then writes must equal the one it wrote (`share`)."""
+    from ddptrain.strategies import deepspeed as zero
+    from ddptrain.strategies import state as neutral
+
+    model = tiny_gpt(torch.float32, seed=3)
+    engine = ddptrain.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), f"zero{stage}",
+                             strategy_options=OPTIONS)
+    reads, read_paths, budget = [], neutral.read_paths, zero.LOAD_PART_ELEMENTS
+
+    def counted(path, entries, collective=None):
+        reads.append(sum(math.prod(entry.size) for entry in entries.values() if hasattr(entry, "size")))
+        return read_paths(path, entries, collective)
+
+    neutral.read_paths, zero.LOAD_PART_ELEMENTS = counted, 1000
+    try:
+        engine.load(directory)
+    finally:
+        neutral.read_paths, zero.LOAD_PART_ELEMENTS = read_paths, budget
+    before, after = _flat(share), _flat(engine.strategy.state_to_save())
+    largest = max(getattr(param, "ds_numel", param.numel()) for param in model.parameters())  # ZeRO-3: partitioned
+    return {"reads": reads, "largest": largest, "same_keys": set(before) == set(after),
+            "differ": [path for path in before if path in after and torch.is_tensor(before[path])
+                       and not torch.equal(before[path], after[path])]}
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +229,20 @@ def test_each_rank_holds_only_its_share_of_a_zero_checkpoint(stage_runs, stage):
     held = [sum(share["model"].values()) + sum(sum(entry.values()) for entry in share["optimizer"].values())
             for share in shares]
     assert max(held) < 0.6 * sum(held), held  # the whole state would be 1.0 on each rank
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+def test_a_zero_load_reads_a_part_at_a_time_and_restores_every_tensor(stage_runs, stage):
+    """A load reads the checkpoint in parts of at most LOAD_PART_ELEMENTS (1,000 here; a larger
+    parameter with its two AdamW moments alone), then the state it writes again is the saved one."""
+    results, _ = stage_runs(stage)
+    for out in results:
+        reload = out["reload"]
+        assert reload["same_keys"] and not reload["differ"], reload["differ"][:5]
+        parts, small = reload["reads"][:-1], reload["reads"][-1]  # the last: step counts and param groups
+        assert len(parts) > 3 and max(parts) <= max(1000, 3 * reload["largest"]), reload["reads"]
+        assert small < 1000, reload["reads"]
 
 
 @requires_deepspeed

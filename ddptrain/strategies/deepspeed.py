@@ -234,6 +234,41 @@ def _disable_shm_comm_op(deepspeed) -> None:
         compatible_ops["deepspeed_shm_comm"] = False
 
 
+LOAD_PART_ELEMENTS = 2**26
+"""How many elements (weights and per-element optimizer state) a ZeRO load reads at a time: 256 MB
+of fp32 on each rank (a larger parameter with its state is read alone)."""
+
+
+def _elements(entry: Any) -> int:
+    return math.prod(entry.size) if hasattr(entry, "size") else 0
+
+
+def _parts(own: dict[str, torch.Tensor], weights: dict[str, Any], states: dict[str, dict[str, Any]],
+           name_of: dict[int, str]):
+    """The checkpoint's per-parameter items, in the model's order, in parts of at most
+    LOAD_PART_ELEMENTS elements: each parameter's weight (one name for tied ones) and its
+    per-element optimizer state together. Every rank computes the same parts."""
+    part: list[tuple] = []
+    size = 0
+    done: set[int] = set()
+    for key, tensor in own.items():
+        if id(tensor) in done or key not in weights:
+            continue
+        done.add(id(tensor))
+        items = [("model", key)]
+        name = name_of.get(id(tensor))
+        items += [("optimizer", "state", name, state) for state, entry in states.get(name, {}).items()
+                  if len(getattr(entry, "size", ())) > 0]  # per-element state; step counts come after
+        elements = sum(_elements(weights[key] if item[0] == "model" else states[name][item[3]]) for item in items)
+        if part and size + elements > LOAD_PART_ELEMENTS:
+            yield part
+            part, size = [], 0
+        part += items
+        size += elements
+    if part:
+        yield part
+
+
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed ZeRO stage 1, 2 or 3; gradients summed over ranks, once per optimizer step.
 
@@ -407,49 +442,65 @@ class DeepSpeedStrategy(Strategy):
     def load(self, directory: Path) -> None:
         """Whatever any strategy saved, on any world size: the full weights go into the module (ZeRO-3
         scatters each one from its gather) and refresh ZeRO's fp32 master copies; each parameter's
-        optimizer state goes into its partitions (`safe_set_full_optimizer_state`)."""
+        optimizer state goes into its partitions (`safe_set_full_optimizer_state`).
+
+        The directory is read a part at a time (`LOAD_PART_ELEMENTS`: parameters with their
+        optimizer state), so a rank holds one part of the full state in host memory, not all of it;
+        every rank reads the same parts, since DeepSpeed's setters are collective."""
         if not neutral.is_neutral(directory):
             self.load_legacy(directory)
             return
-        saved = neutral.read_full(directory)
-        self._load_weights(saved["model"], directory)
-        self._load_optimizer(saved.get("optimizer") or {}, directory)
-
-    def _load_weights(self, weights: dict[str, torch.Tensor], directory: Path) -> None:
+        entries = neutral.contents(directory)
+        weights = {path[1]: entry for path, entry in entries.items() if path[0] == "model"}
+        states: dict[str, dict[str, Any]] = {}
+        for path, entry in entries.items():
+            if path[:2] == ("optimizer", "state"):
+                states.setdefault(path[2], {})[path[3]] = entry
         own = self._module.state_dict(keep_vars=True)
-        frozen = set() if self.save_frozen else self.frozen_names(self._module)
-        self.check_loaded([key for key in own if key not in weights], [key for key in weights if key not in own],
-                          frozen, directory)
-        done: set[int] = set()
-        for key, tensor in own.items():
-            if key not in weights or id(tensor) in done:  # tied weights are one parameter
-                continue
-            done.add(id(tensor))
-            value, shape = weights[key], tuple(getattr(tensor, "ds_shape", tensor.shape))
-            if tuple(value.shape) != shape:
-                raise ValueError(f"{directory}: {key} has shape {tuple(value.shape)} in the checkpoint but "
-                                 f"{shape} in the model")
-            if hasattr(tensor, "ds_id"):  # ZeRO-3: gather, set on rank 0, scatter back into the partitions
-                with self._deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
-                    if get_rank() == 0:
-                        tensor.data.copy_(value)
-            else:
-                tensor.data.copy_(value)
-        self.model.optimizer.refresh_fp32_params()  # ZeRO's fp32 masters from the weights just set
-
-    def _load_optimizer(self, optimizer: dict, directory: Path) -> None:
-        from deepspeed.utils import safe_set_full_optimizer_state
-
-        states = optimizer.get("state", {})
+        self._check_weights(own, weights, directory)
         names = neutral.trainable_names(self._module)
         scalars, moments = self._optimizer_keys()  # ZeRO's flat state exists, linked to the parameters
         missing = [name for name in names if name not in states]
         if missing and (scalars or moments):  # an optimizer without state (plain SGD) saves none
             raise ValueError(f"{directory}: the checkpoint holds no optimizer state for {missing[:5]}")
-        for name, param in names.items():
-            for key, value in states.get(name, {}).items():
-                if value.dim() > 0:
-                    safe_set_full_optimizer_state(param, value, key)
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        name_of = {id(param): name for name, param in names.items()}
+        for part in _parts(own, weights, states, name_of):
+            read = neutral.read_paths(directory, {path: entries[path] for path in part})
+            for path in part:
+                if path[0] == "model":
+                    self._set_weight(own[path[1]], read["model"][path[1]])
+                else:  # ("optimizer", "state", name, key)
+                    safe_set_full_optimizer_state(names[path[2]], read["optimizer"]["state"][path[2]][path[3]],
+                                                  path[3])
+        self.model.optimizer.refresh_fp32_params()  # ZeRO's fp32 masters from the weights just set
+        small = {path: entry for path, entry in entries.items() if path[:2] == ("optimizer", "param_groups")
+                 or (path[:2] == ("optimizer", "state") and getattr(entry, "size", None) == torch.Size([]))}
+        self._load_optimizer_scalars(neutral.read_paths(directory, small).get("optimizer", {}))
+
+    def _check_weights(self, own: dict[str, torch.Tensor], weights: dict[str, Any], directory: Path) -> None:
+        """The saved weights' names and shapes (from the metadata) against the model's, before reading."""
+        frozen = set() if self.save_frozen else self.frozen_names(self._module)
+        self.check_loaded([key for key in own if key not in weights], [key for key in weights if key not in own],
+                          frozen, directory)
+        for key, entry in weights.items():
+            shape = tuple(getattr(own[key], "ds_shape", own[key].shape))
+            if tuple(entry.size) != shape:
+                raise ValueError(f"{directory}: {key} has shape {tuple(entry.size)} in the checkpoint but "
+                                 f"{shape} in the model")
+
+    def _set_weight(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        if hasattr(tensor, "ds_id"):  # ZeRO-3: gather, set on rank 0, scatter back into the partitions
+            with self._deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+                if get_rank() == 0:
+                    tensor.data.copy_(value)
+        else:
+            tensor.data.copy_(value)
+
+    def _load_optimizer_scalars(self, optimizer: dict) -> None:
+        """The step counts and the param groups' settings (the per-element state is set by `load`)."""
+        states = optimizer.get("state", {})
         # Step counts are one number per flat partition here and per parameter elsewhere; ddptrain
         # steps every parameter together, so they agree.
         scalars = {key: value for key, value in next(iter(states.values()), {}).items() if value.dim() == 0}

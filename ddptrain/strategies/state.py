@@ -64,13 +64,25 @@ def read_full(directory: Path, section: str | None = None, collective: bool | No
     """The whole directory (or only its `section`, "model" or "optimizer") as nested dicts of plain
     CPU tensors, as it was saved. Collective when a process group exists (every rank reads the
     full tensors), unless `collective` is False: then in this process alone."""
+    entries = contents(directory)
+    return read_paths(directory, {path: entry for path, entry in entries.items()
+                                  if section is None or path[0] == section}, collective)
+
+
+def contents(directory: Path) -> dict[tuple, Any]:
+    """What the directory holds, read from DCP's metadata alone: each item's path in the saved
+    nesting (("model", name), ("optimizer", "state", name, "exp_avg"), ...) and its DCP entry
+    (a tensor's `.size` and `.properties.dtype`, or an object's)."""
     metadata = dcp.FileSystemReader(str(directory)).read_metadata()
     paths = metadata.planner_data or {}
+    return {tuple(paths.get(key, (key,))): entry for key, entry in metadata.state_dict_metadata.items()}
+
+
+def read_paths(directory: Path, entries: dict[tuple, Any], collective: bool | None = None) -> dict:
+    """Only the items `entries` names (some of `contents(directory)`), as nested dicts of plain CPU
+    tensors: a strategy reads a large checkpoint a part at a time. Collective as `read_full`."""
     template: dict = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        path = paths.get(key, (key,))
-        if section is not None and path[0] != section:
-            continue
+    for path, entry in entries.items():
         if isinstance(entry, TensorStorageMetadata):
             value: Any = torch.empty(entry.size, dtype=entry.properties.dtype)
         elif isinstance(entry, BytesStorageMetadata):
