@@ -394,10 +394,10 @@ class DeepSpeedStrategy(Strategy):
         out = {}
         for key, tensor in state.items():
             if id(tensor) not in copies:
-                if hasattr(tensor, "ds_id"):  # stage 3: the parameter is whole only inside a gather
-                    with self._deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                        copies[id(tensor)] = tensor.detach().cpu().clone() if keep(tensor) else None
-                else:
+                # stage 3: the parameter is whole only inside a gather
+                whole = (self._deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
+                         if hasattr(tensor, "ds_id") else contextlib.nullcontext())
+                with whole:
                     copies[id(tensor)] = tensor.detach().cpu().clone() if keep(tensor) else None
             if copies[id(tensor)] is not None:
                 out[key] = copies[id(tensor)]
@@ -426,13 +426,13 @@ class DeepSpeedStrategy(Strategy):
         scalars, moments = self._optimizer_keys()
         states = {}
         for name, param in neutral.trainable_names(self._module).items():
+            mine = owner[id(param)] == rank
             entry = {}
             for key in moments:  # collective: every rank assembles it, its owner keeps it
                 value = safe_get_full_optimizer_state(param, key)
-                if owner[id(param)] == rank:
+                if mine:
                     entry[key] = value.detach().cpu()
-                del value
-            if owner[id(param)] == rank:
+            if mine:
                 entry.update({key: value.detach().cpu().clone() for key, value in scalars.items()})
                 states[name] = entry
         groups = [{**{key: value for key, value in group.items() if key != "params"}, "params": names}
@@ -447,6 +447,8 @@ class DeepSpeedStrategy(Strategy):
         The directory is read a part at a time (`LOAD_PART_ELEMENTS`: parameters with their
         optimizer state), so a rank holds one part of the full state in host memory, not all of it;
         every rank reads the same parts, since DeepSpeed's setters are collective."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
         if not neutral.is_neutral(directory):
             self.load_legacy(directory)
             return
@@ -463,8 +465,6 @@ class DeepSpeedStrategy(Strategy):
         missing = [name for name in names if name not in states]
         if missing and (scalars or moments):  # an optimizer without state (plain SGD) saves none
             raise ValueError(f"{directory}: the checkpoint holds no optimizer state for {missing[:5]}")
-        from deepspeed.utils import safe_set_full_optimizer_state
-
         name_of = {id(param): name for name, param in names.items()}
         for part in _parts(own, weights, states, name_of):
             read = neutral.read_paths(directory, {path: entries[path] for path in part})
