@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -55,9 +56,8 @@ def test_text_files_are_documents_split_by_file_name(tmp_path):
     everything = {bytes(p.read_bytes()) for p in paths}
     train, val = _docs(data.train), _docs(data.val)
     assert set(train) | set(val) == everything and not set(train) & set(val)
-    expected_val = {p.read_bytes() for p in paths if sources.is_validation(str(p), 20.0)}
-    # tmp_path changes the names: when none hashes into validation, the last document is used
-    assert set(val) == (expected_val or {paths[-1].read_bytes()}) and 0 < len(val) < len(paths)
+    expected_val = {p.read_bytes() for p in paths if sources.is_validation(p.name, 20.0)}  # relative to corpus/
+    assert set(val) == expected_val and 0 < len(val) < len(paths)
     assert data.train.lengths.max() == SEQ_LEN + 1
 
 
@@ -76,8 +76,30 @@ def test_jsonl_lines_are_documents_of_the_field(tmp_path):
     data = _load(tmp_path, "jsonl", [path], field="text", val_percent=10.0)
     docs = _docs(data.train) + _docs(data.val)
     assert sorted(docs) == sorted(r["text"].encode() for r in rows)
-    expected_val = {r["text"] for i, r in enumerate(rows) if sources.is_validation(f"{path}:{i + 1}", 10.0)}
-    assert {d.decode() for d in _docs(data.val)} == (expected_val or {rows[-1]["text"]})
+    expected_val = {r["text"] for i, r in enumerate(rows) if sources.is_validation(f"a.jsonl:{i + 1}", 10.0)}
+    assert {d.decode() for d in _docs(data.val)} == expected_val and expected_val
+
+
+def test_the_split_is_the_same_however_the_corpus_is_spelled_or_wherever_it_is_moved(tmp_path, monkeypatch):
+    """The hash split reads names relative to the sources' directory: relative paths from one working
+    directory, absolute ones, and a copy of the corpus elsewhere all put the same documents in validation."""
+    corpus = tmp_path / "runs" / "corpus"
+    corpus.mkdir(parents=True)
+    for book in range(3):
+        (corpus / f"book{book}.txt").write_text("".join(f"book {book} paragraph {i} " * 3 + "\n\n" for i in range(40)))
+    (corpus / "rows.jsonl").write_text("".join(json.dumps({"text": f"row {i} " * 4}) + "\n" for i in range(60)))
+    moved = tmp_path / "elsewhere" / "mounted"
+    moved.parent.mkdir()
+    shutil.copytree(corpus, moved)
+    monkeypatch.chdir(tmp_path / "runs")
+    spellings = {"relative": "corpus", "absolute": str(corpus), "moved": str(moved)}
+    for name, pattern, settings in [("text", "*.txt", {"split_by": "paragraph"}), ("jsonl", "*.jsonl", {"field": "text"})]:
+        vals = {}
+        for spelling, root in spellings.items():
+            cfg = DataConfig(name=name, paths=[f"{root}/{pattern}"], cache_dir=str(tmp_path / f"cache-{spelling}"),
+                             val_percent=20.0, **settings)
+            vals[spelling] = sorted(_docs(load_splits(cfg, SEQ_LEN, local_rank=0).val))
+        assert 1 < len(vals["relative"]) and vals["absolute"] == vals["relative"] and vals["moved"] == vals["relative"]
 
 
 def test_token_files_are_cut_at_the_end_of_document_token(tmp_path):

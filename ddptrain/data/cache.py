@@ -32,12 +32,12 @@ from typing import Callable
 
 import numpy as np
 
-from ddptrain.data.sources import DataError
+from ddptrain.data.sources import DataError, common_directory
 from ddptrain.fsutil import fsync_file, pid_is_running
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the hash split reads names relative to the sources' directory (SplitNames)
 _META = "meta.json"
 
 
@@ -63,7 +63,7 @@ def relative_stamps(paths: list[Path]) -> dict:
     files = [(p, f) for p in paths for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
     if not files:
         return {}
-    base = os.path.commonpath([os.path.abspath(p if p.is_dir() else p.parent) for p, _ in files])
+    base = common_directory([p for p, _ in files])
     return {os.path.relpath(os.path.abspath(f), base): [f.stat().st_size, f.stat().st_mtime_ns] for _, f in files}
 
 

@@ -21,8 +21,8 @@ from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cach
                                  file_stamp, open_tokens, relative_stamps)
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import DataSplits, TokenExamples, assign_splits
-from ddptrain.data.sources import (DataError, TextDecoder, expand_paths, hf_documents, is_validation, jsonl_documents,
-                                   text_documents, token_documents, token_file, warn_replaced)
+from ddptrain.data.sources import (DataError, SplitNames, TextDecoder, expand_paths, hf_documents, is_validation,
+                                   jsonl_documents, text_documents, token_documents, token_file, warn_replaced)
 from ddptrain.data.stdlib import load_stdlib
 from ddptrain.data.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -142,6 +142,7 @@ def _documents(data_cfg, train_files, val_files, hf_cache, progress,
     """(name, payload, is validation) of every document, up to data.max_docs."""
     groups = [(train_files, None), (val_files, True)] if val_files else [(train_files, None)]
     count = 0
+    split_name = SplitNames(train_files)
     for files, validation in groups:
         if data_cfg.name == "text":
             stream = text_documents(files, data_cfg.split_by)
@@ -155,7 +156,7 @@ def _documents(data_cfg, train_files, val_files, hf_cache, progress,
             progress.update(read)
             count += 1
             yield name, payload, bool(validation) if validation else (
-                not val_files and is_validation(name, data_cfg.val_percent))
+                not val_files and is_validation(split_name(name), data_cfg.val_percent))
 
 
 def _as_input(tokenizer, name: str, payload, decoder: TextDecoder):

@@ -25,7 +25,7 @@ import numpy as np
 from ddptrain.data.cache import BuildProgress, TokenWriter
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import TokenExamples, assign_splits
-from ddptrain.data.sources import DataError, TextDecoder, hf_records, is_validation, jsonl_records
+from ddptrain.data.sources import DataError, SplitNames, TextDecoder, hf_records, is_validation, jsonl_records
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
     total = sum(p.stat().st_size for p in [*train_files, *val_files] if p.is_file())
     progress = BuildProgress(total, "B", f"preprocessing sft with tokenizer {tokenizer.name}")
     count = 0
+    split_name = SplitNames(train_files)
     try:
         groups = [(train_files, "train"), (val_files, "validation")] if val_files else [(train_files, "train")]
         for files, split in groups:
@@ -183,7 +184,8 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
                 docs.append((tokens.append(ids), len(ids), targets))
                 mask.append(marks)
                 names.append(name)
-                is_val.append(split == "validation" or (not val_files and is_validation(name, data_cfg.val_percent)))
+                hashed = not val_files and is_validation(split_name(name), data_cfg.val_percent)
+                is_val.append(split == "validation" or hashed)
     finally:
         tokens.close()
         mask.close()

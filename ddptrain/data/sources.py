@@ -1,7 +1,8 @@
 """Document sources: each yields (name, payload) pairs in a deterministic order.
 
-The name is what the train/validation split hashes (a file name, file:line, a document index)
-and what an error message points at. Payloads are bytes (the tokenizer decides how to read
+The name is what an error message points at (a file name, file:line, a document index), and, its
+leading path made relative to the sources' common directory (`SplitNames`), what the
+train/validation split hashes. Payloads are bytes (the tokenizer decides how to read
 them) or str (JSONL and Hugging Face fields are text already).
 """
 
@@ -97,6 +98,37 @@ def stdlib_documents(max_docs: int | None = None) -> Iterator[tuple[str, bytes]]
 def is_validation(name: str, val_percent: float) -> bool:
     """Deterministic split by a hash of the document's name: the same on every machine and rank."""
     return (zlib.crc32(name.encode("utf-8")) % 10_000) < val_percent * 100
+
+
+def common_directory(paths: list[Path]) -> str:
+    """The deepest directory holding every one of `paths` (a directory holds itself), absolute."""
+    return os.path.commonpath([os.path.abspath(p if p.is_dir() else p.parent) for p in paths])
+
+
+class SplitNames:
+    """What `is_validation` hashes of a document's name: its leading source path made relative to
+    the sources' common directory (`doc3.txt#2`, not `/home/me/corpus/doc3.txt#2`). A corpus spelled
+    another way (relative or absolute, from another working directory) or moved whole keeps every
+    document on its side of the split, as it keeps the resume fingerprint (cache.relative_stamps)."""
+
+    def __init__(self, files: list[Path]):
+        self._relative: dict[str, str] = {}
+        if not files:
+            return
+        base = common_directory(files)
+        relative = [os.path.relpath(os.path.abspath(p), base) for p in files]
+        self._relative = {str(p): name for p, name in zip(files, relative)}
+        if len(files) > 1:  # hf_records names the rows of several data files after the first
+            self._relative[f"{files[0]} (+{len(files) - 1} files)"] = f"{relative[0]} (+{len(files) - 1} files)"
+
+    def __call__(self, name: str) -> str:
+        if name in self._relative:  # a whole file
+            return self._relative[name]
+        for separator in ("#", ":"):  # file#paragraph, dataset#row, file:line
+            path, _, rest = name.rpartition(separator)
+            if path in self._relative:
+                return f"{self._relative[path]}{separator}{rest}"
+        return name
 
 
 def expand_paths(patterns: list[str], key: str = "data.paths", allow_dirs: bool = False) -> list[Path]:
