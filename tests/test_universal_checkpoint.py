@@ -5,6 +5,7 @@ took. The CLI chains across strategies are in tests/test_checkpoint.py."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -88,3 +89,20 @@ def test_a_checkpoint_saved_before_the_first_step_loads_into_zero(tmp_path):
     import_deepspeed()
     out = run_distributed(_fresh_optimizer_state, 2, str(tmp_path / "fresh"))[0]
     assert relative_difference(out["zero"], out["plain"]) < 2e-6
+
+
+def test_one_process_reads_and_writes_the_neutral_layout_without_dcp_warning_of_it(tmp_path):
+    """Without a process group, save/save_async/load_into/read_full run DCP with no_dist on purpose: DCP's warning that
+    it assumes a single process is silenced there (and only that warning)."""
+    saved = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optimizer": {"state": {}, "param_groups": []}}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        neutral.save(saved, tmp_path / "state")
+        neutral.save_async(saved, tmp_path / "async").result()  # DCP warns from its own thread here
+        into = {"model": {"w": torch.zeros(2, 3)}}
+        neutral.load_into(into, tmp_path / "state")
+        whole = neutral.read_full(tmp_path / "state", "model")
+        warnings.warn("still shown", UserWarning)
+    written = neutral.read_full(tmp_path / "async", "model")
+    assert all(torch.equal(got["model"]["w"], saved["model"]["w"]) for got in (into, whole, written))
+    assert [str(w.message) for w in seen] == ["still shown"]

@@ -20,6 +20,7 @@ process group, from DCP's own metadata: nothing needs to know which strategy wro
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,23 @@ def is_neutral(directory: Path) -> bool:
     return (Path(directory) / METADATA).is_file()
 
 
+def _one_process(alone: bool) -> None:
+    """Before a DCP call made with no_dist=True on purpose (one process, or one rank reading alone):
+    silence DCP's warning that it assumes "the intent is to save/load in a single process", which is
+    the intent. The filter is process-wide, since an async save warns later from DCP's own thread,
+    and names only that message of DCP's modules; every other warning still shows."""
+    if alone:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning, module=r"torch\.distributed\.checkpoint\.")
+
+
 def save(state: dict, directory: Path) -> None:
     """Collective: write `state` ({"model": ..., "optimizer": ...}) as a DCP directory. Plain tensors
     that every rank holds are written once (DCP deduplicates them); DTensors each rank its shards;
     a key that only some ranks hold (ZeRO: each rank its share, see `balanced_owners`) by them."""
-    dcp.save(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+    alone = not dist.is_initialized()
+    _one_process(alone)
+    dcp.save(state, checkpoint_id=str(directory), no_dist=alone)
 
 
 def save_async(state: dict, directory: Path):
@@ -50,6 +63,7 @@ def save_async(state: dict, directory: Path):
     collectives never interleave with training's). Returns once the state is staged in host
     memory, with a future that is done when every file is written and fsynced."""
     group = background_group()
+    _one_process(group is None)
     return dcp.async_save(state, checkpoint_id=str(directory), process_group=group, no_dist=group is None)
 
 
@@ -57,6 +71,7 @@ def load_into(state: dict, directory: Path, collective: bool | None = None) -> N
     """Fill `state`'s tensors in place from `directory` (DTensors get their shards). Collective
     (every rank calls it) when a process group exists, unless `collective` is False."""
     collective = dist.is_initialized() if collective is None else collective
+    _one_process(not collective)
     dcp.load(state, checkpoint_id=str(directory), no_dist=not collective)
 
 
