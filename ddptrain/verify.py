@@ -88,22 +88,32 @@ class Report:
 
     @property
     def worst(self) -> float:
-        return max((max(s.loss_difference, s.grad_norm_difference, s.parameter_difference) for s in self.steps),
-                   default=0.0)
+        return largest(value for s in self.steps
+                       for value in (s.loss_difference, s.grad_norm_difference, s.parameter_difference))
 
     @property
     def agrees(self) -> bool:
         return self.worst <= self.tolerance  # NaN never agrees
 
 
-def relative_difference(mine: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """Largest over tensors of max|a - b| / max|b|."""
+def largest(values: Iterable[float]) -> float:
+    """The largest of `values` (0 for none), NaN if any is NaN: Python's max() keeps or drops a NaN
+    depending on where it stands (max(0.0, nan) is 0.0), which would let a NaN difference agree."""
     worst = 0.0
-    for name, ref in reference.items():
-        scale = ref.detach().double().abs().max().clamp_min(1e-30)
-        difference = (mine[name].detach().double().cpu() - ref.detach().double().cpu()).abs().max()
-        worst = max(worst, float(difference / scale))
+    for value in values:
+        if math.isnan(value):
+            return math.nan
+        worst = max(worst, value)
     return worst
+
+
+def relative_difference(mine: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """Largest over tensors of max|a - b| / max|b| (NaN if any tensor differs by NaN)."""
+    def one(name: str, ref: torch.Tensor) -> float:
+        scale = ref.detach().double().abs().max().clamp_min(1e-30)
+        return float((mine[name].detach().double().cpu() - ref.detach().double().cpu()).abs().max() / scale)
+
+    return largest(one(name, ref) for name, ref in reference.items())
 
 
 def _relative(value: float, reference: float) -> float:

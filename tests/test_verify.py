@@ -4,6 +4,7 @@ and the modules that make the arithmetic differ although the objective is the sa
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -14,8 +15,8 @@ from torch import nn
 
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.testing import run_distributed
-from ddptrain.verify import (compose_config, disable_dropout, equivalence_caveats, format_report,
-                             log_equivalence_caveats, main, verify)
+from ddptrain.verify import (Report, StepComparison, compose_config, disable_dropout, equivalence_caveats,
+                             format_report, log_equivalence_caveats, main, relative_difference, verify)
 from tests.helpers import REPO
 
 # The default model (4 layers, 128 wide) on short sequences: a few seconds per layout on one core.
@@ -164,3 +165,19 @@ def test_fp16_on_the_configured_device_agrees(capsys):
     output = capsys.readouterr().out
     assert exited.value.code == 0, output
     assert "| fp16 on cpu" in output and "verdict: AGREE" in output and "<= 0.01" in output
+
+
+@pytest.mark.parametrize("where", ["loss", "grad_norm", "parameter"])
+@pytest.mark.parametrize("step", [0, 1])
+def test_a_nan_difference_on_any_step_never_agrees(where, step):
+    """Python's max() drops a NaN that follows a number (max(0.0, nan) == 0.0): a layout whose loss or
+    parameters turn NaN must still be DIFFERENT, whichever step and quantity holds it."""
+    rows = [dict(loss_difference=1e-12, grad_norm_difference=1e-12, parameter_difference=1e-12) for _ in range(2)]
+    rows[step][f"{where}_difference"] = math.nan
+    report = Report("2 ranks", "fp64", "cpu", 1e-9, [], [],
+                    [StepComparison(i + 1, 5.0, 5.0, 10, **row) for i, row in enumerate(rows)])
+    assert math.isnan(report.worst) and not report.agrees
+    weights = {"a": torch.ones(3), "b": torch.ones(2)}
+    assert math.isnan(relative_difference({"a": torch.ones(3), "b": torch.tensor([1.0, math.nan])}, weights))
+    assert math.isnan(relative_difference({"a": torch.tensor([math.nan, 1, 1]), "b": torch.ones(2)}, weights))
+    assert relative_difference({"a": torch.ones(3), "b": torch.tensor([1.0, 1.5])}, weights) == 0.5
