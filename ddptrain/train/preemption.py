@@ -6,9 +6,10 @@ no rank is left waiting in a collective.
 
 A rank blocked in a collective (a peer hung or died) never reaches that boundary, and a Python
 signal handler does not even run while the main thread waits inside C++. So the signal is also
-written to a wakeup pipe that a watchdog thread reads: if the trainer has not begun its
-preemption checkpoint within `grace_s`, the process exits (128 + signal) instead of ignoring the
-launcher's stop request until it is SIGKILLed. The last complete checkpoint stands.
+written to a wakeup pipe that a watchdog thread reads: if the trainer reaches no step boundary
+within `grace_s` (each boundary restarts the wait, since the check that begins the preemption
+checkpoint comes only every `check_every` steps), the process exits (128 + signal) instead of
+ignoring the launcher's stop request until it is SIGKILLed. The last complete checkpoint stands.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class PreemptionWatcher:
         self.received: int | None = None
         self._previous = {}
         self._handling = threading.Event()
+        self._boundary = threading.Event()  # set at every step boundary: the steps still move
         self._closed = threading.Event()
         self._signals = {getattr(signal, name) for name in signal_names}
         for signum in self._signals:
@@ -66,8 +68,12 @@ class PreemptionWatcher:
             signals = [s for s in data if s in self._signals]
             if not signals or self._closed.is_set():
                 continue
-            if self._handling.wait(self.grace_s) or self._closed.is_set():
-                return
+            while True:  # until a grace period passes without a step boundary
+                self._boundary.clear()
+                if self._handling.wait(self.grace_s) or self._closed.is_set():
+                    return
+                if not self._boundary.is_set():
+                    break
             signum = signals[0]
             log.error("rank %d: %s received, but no step boundary was reached within checkpoint.preempt_grace_s=%gs "
                       "(stuck in a collective, or a step longer than that); exiting without a checkpoint, the last "
@@ -77,7 +83,9 @@ class PreemptionWatcher:
 
     def should_stop_at(self, step: int) -> bool:
         """Collective on every `check_every`-th step (a tiny all-reduce the host waits for): did any
-        rank receive a preemption signal? False on other steps, without communicating."""
+        rank receive a preemption signal? False on other steps, without communicating. Every call
+        marks a step boundary for the watchdog."""
+        self._boundary.set()
         return step % self.check_every == 0 and self.should_stop()
 
     def should_stop(self) -> bool:
