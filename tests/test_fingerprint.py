@@ -12,7 +12,8 @@ from ddptrain.data.cache import relative_stamps
 from ddptrain.models.adapters import HFAdapter
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.fingerprint import check_fingerprint, run_fingerprint
-from tests.helpers import TINY_RUN, run_cli
+from ddptrain.train.resume import check_config
+from tests.helpers import TINY_RUN, read_metrics, run_cli
 
 
 def _corpus(directory, *names):
@@ -68,3 +69,39 @@ def test_a_corpus_appended_to_between_runs_is_refused_on_resume(tmp_path):
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     assert "the data order differs from here on" in accepted.stderr
     assert "of start-up so far" in accepted.stderr
+
+
+def test_input_paths_may_change_only_where_the_checkpoint_fingerprints_what_they_hold():
+    saved = {"data": {"paths": ["/old/corpus/*.txt"], "tokenizer": "/old/tok.json"}, "model": {"path": "/old/m"}}
+    current = {"data": {"paths": ["corpus/*.txt"], "tokenizer": "/new/tok.json"}, "model": {"path": "/new/m"}}
+    assert [key for key, _, _ in check_config(saved, current, {}, fingerprinted=True)] == [
+        "data.paths", "data.tokenizer", "model.path"]
+    with pytest.raises(ckpt.CheckpointError, match=r"data.paths: \['/old/corpus/\*.txt'\] -> \['corpus/\*.txt'\]"):
+        check_config(saved, current, {}, fingerprinted=False)  # an older checkpoint: nothing guards the content
+    with pytest.raises(ckpt.CheckpointError, match="data.split_by"):
+        check_config({"data": {"split_by": "file"}}, {"data": {"split_by": "paragraph"}}, {}, fingerprinted=True)
+
+
+@pytest.mark.slow
+def test_a_corpus_moved_whole_and_spelled_relatively_resumes_the_same_run(tmp_path):
+    """Trained on /abs/corpus, the corpus moved, resumed as `moved/*.txt` from another directory: the
+    config's data.paths differs but the fingerprint (and the hash split) do not, so the run resumes and
+    its steps are those of the run that never stopped."""
+    corpus = tmp_path / "corpus"
+    _corpus(corpus, "a.txt", "b.txt", "c.txt", "d.txt")
+    common = [*TINY_RUN, "data=text", "data.split_by=paragraph", "data.max_docs=null", "data.val_percent=30",
+              f"data.cache_dir={tmp_path / 'cache'}", "batch.seq_len=32", "batch.global_size=4",
+              "batch.micro_size=2", "optim.decay_steps=6", "checkpoint.every=2"]
+    straight = run_cli([*common, f"data.paths=[{corpus}/*.txt]", f"run.dir={tmp_path / 'straight'}",
+                        "trainer.max_steps=6"])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = run_cli([*common, f"data.paths=[{corpus}/*.txt]", f"run.dir={tmp_path / 'run'}", "trainer.max_steps=4"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    corpus.rename(tmp_path / "moved")
+    resumed = run_cli([*common, "data.paths=[moved/*.txt]", f"run.dir={tmp_path / 'run'}", "trainer.max_steps=6"],
+                      cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "data.paths changed from" in resumed.stderr and "their fingerprint is compared" in resumed.stderr
+    losses = {row["step"]: row["loss"] for row in read_metrics(tmp_path / "run") if "loss" in row}
+    expected = {row["step"]: row["loss"] for row in read_metrics(tmp_path / "straight") if "loss" in row}
+    assert losses == expected and sorted(losses) == [1, 2, 3, 4, 5, 6]

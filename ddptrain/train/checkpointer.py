@@ -108,7 +108,8 @@ class Checkpointer:
         state["path"] = path
         current = OmegaConf.to_container(self.cfg, resolve=True)
         defaults = {**defaults_of(TrainConfig), **model_defaults(current.get("model", {}))}
-        self.config_changes = check_config(state.get("config", {}), current, defaults)
+        self.config_changes = check_config(state.get("config", {}), current, defaults,
+                                           fingerprinted=state.get("fingerprint") is not None)
         return state
 
     def restore(self, state: dict, engine: Engine, samples_seen: Callable[[int], int], spec: ModelSpec) -> None:

@@ -5,7 +5,8 @@ new config is either one of the keys below, applied on purpose (the learning rat
 the length of the run, logging, evaluation, checkpointing, the layout of ranks and microbatches
 and the strategy, which the objective does not depend on: checkpoints are strategy-neutral), or
 it is refused with the key, the old and the new value: a changed model, seed, data, global batch,
-precision or objective would silently continue another run, or fail deep inside torch.
+precision or objective would silently continue another run, or fail deep inside torch. The paths of
+the inputs (RELOCATABLE) may change where the checkpoint's fingerprint guards what they hold.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ MAY_CHANGE = (
 )
 """Keys (or whole sections) that may differ from the checkpoint's config. The world size is not in
 the config: it may change too."""
+
+RELOCATABLE = ("data.paths", "data.val_paths", "data.index", "data.tokenizer", "data.chat_template", "model.path")
+"""Where the run's inputs lie, which may be spelled another way (relative or absolute) or moved when
+the checkpoint holds the fingerprint of what they hold (ddptrain/train/fingerprint.py: the corpus'
+files relative to their common directory, the tokenizer's and chat template's hashes, model=hf's
+config.json, a LoRA base's weights), compared after the build: other content is refused there by
+name. A checkpoint without a fingerprint (an older ddptrain) refuses them here, as any other key."""
 
 SCHEDULE_KEYS = ("optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps",
                  "trainer.max_steps")
@@ -59,10 +67,11 @@ def config_changes(saved: dict, current: dict, defaults: dict) -> list[tuple[str
     return changes
 
 
-def check_config(saved: dict, current: dict, defaults: dict) -> list[tuple[str, Any, Any]]:
-    """The changes to apply; raises CheckpointError listing every change that may not be made."""
+def check_config(saved: dict, current: dict, defaults: dict, fingerprinted: bool = False) -> list[tuple[str, Any, Any]]:
+    """The changes to apply; raises CheckpointError listing every change that may not be made.
+    `fingerprinted`: the checkpoint holds its inputs' fingerprint, so RELOCATABLE keys may change too."""
     changes = config_changes(saved, current, defaults)
-    allowed = MAY_CHANGE
+    allowed = MAY_CHANGE + (RELOCATABLE if fingerprinted else ())
     refused = [change for change in changes if not _may_change(change[0], allowed)]
     if refused:
         lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
@@ -70,7 +79,8 @@ def check_config(saved: dict, current: dict, defaults: dict) -> list[tuple[str, 
                               " Resume with the checkpoint's values, or start a new run (another run.dir, or "
                               f"checkpoint.resume=none). Keys that may change: {', '.join(allowed)}")
     for key, old, new in changes:
-        log.info("resume: %s changed from %r to %r (applied)", key, old, new)
+        moved = " (the same inputs elsewhere: their fingerprint is compared)" if _may_change(key, RELOCATABLE) else ""
+        log.info("resume: %s changed from %r to %r (applied)%s", key, old, new, moved)
     return changes
 
 
