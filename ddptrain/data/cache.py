@@ -37,7 +37,9 @@ from ddptrain.fsutil import fsync_file, pid_is_running
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: the hash split reads names relative to the sources' directory (SplitNames)
+CACHE_VERSION = 3
+"""2: the hash split reads names relative to the sources' directory (SplitNames); 3: a tokenizer.json's
+saved truncation and padding are switched off (ddptrain.data.tokenizer.HFTokenizer)."""
 _META = "meta.json"
 
 

@@ -45,6 +45,11 @@ class HFTokenizer:
         if not self.path.is_file():
             raise ValueError(f"data.tokenizer: {self.path} is not a file (expected 'byte' or a tokenizer.json)")
         self._tokenizer = Tokenizer.from_file(str(self.path))
+        # A tokenizer.json may carry the truncation or padding it was saved with: a document is
+        # tokenized whole (the examples are cut to seq_len later) and never padded (pad ids would
+        # become targets). transformers' tokenizers switch both off the same way.
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.name = str(self.path)
 
