@@ -170,6 +170,23 @@ def test_hf_tokenizer_sets_the_vocabulary_and_undecodable_bytes_follow_the_polic
            f"e.g. {paths[3]}" in caplog.text
 
 
+def test_a_tokenizer_saved_with_truncation_or_padding_still_tokenizes_documents_whole(tmp_path):
+    """A tokenizer.json keeps the truncation and padding it was saved with; ddptrain switches them off, or
+    every document would be cut to 8 tokens, or padded with pad ids that become targets."""
+    rows = [{"text": " ".join(f"w{i}x{j}" for j in range(60))} for i in range(12)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain = _load(tmp_path, "jsonl", [path], field="text", tokenizer=_hf_tokenizer(tmp_path, [r["text"] for r in rows]))
+    tokenizers = import_optional("tokenizers")
+    for setting in ("truncation", "padding"):
+        saved = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        saved.enable_truncation(max_length=8) if setting == "truncation" else saved.enable_padding(length=400)
+        saved.save(str(tmp_path / f"{setting}.json"))
+        data = _load(tmp_path, "jsonl", [path], field="text", tokenizer=str(tmp_path / f"{setting}.json"))
+        assert sorted(map(bytes, _docs(data.train))) == sorted(map(bytes, _docs(plain.train))), setting
+        assert data.train.lengths.sum() == plain.train.lengths.sum(), setting
+
+
 def test_hf_datasets_from_local_files_and_a_saved_directory(tmp_path):
     datasets = import_optional("datasets")
     rows = [{"body": f"row {i} " * 5} for i in range(30)]
@@ -399,3 +416,23 @@ def test_bad_input_fails_on_every_rank_before_training(tmp_path):
     assert result.returncode != 0
     assert output.count(f"{path}:2: no field 'text' (data.field)") >= 2, output[-3000:]
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_max_docs_counts_data_paths_and_data_val_paths_each(tmp_path):
+    """data.max_docs=N keeps N documents of data.paths and N of data.val_paths (as data=tokens does):
+    the training files no longer use up the count before the validation files are read."""
+    from tests.test_sft import _chats, _tokenizer_dir, _write_jsonl
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": f"train {i} " * 4}) + "\n" for i in range(50)))
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"text": f"held out {i} " * 4}) + "\n" for i in range(10)))
+    cfg = DataConfig(name="jsonl", paths=[str(train)], val_paths=[str(val)], field="text", max_docs=20,
+                     cache_dir=str(tmp_path / "cache"))
+    data = load_splits(cfg, SEQ_LEN, local_rank=0)
+    assert (data.train.documents, data.val.documents) == (20, 10)
+    chats, held_out = _write_jsonl(tmp_path / "c.jsonl", _chats(30)), _write_jsonl(tmp_path / "v.jsonl", _chats(6, 1))
+    sft = DataConfig(name="sft", paths=[chats], val_paths=[held_out], max_docs=12, cache_dir=str(tmp_path / "cache"),
+                     tokenizer=str(_tokenizer_dir(tmp_path / "tok") / "tokenizer.json"))
+    data = load_splits(sft, 128, local_rank=0)
+    assert (data.train.documents, data.val.documents) == (12, 6)

@@ -185,7 +185,7 @@ class DataConfig:
     val_percent: float = 5.0
     """Percent of documents (by a hash of their name) held out for validation (unless val_paths)."""
     max_docs: Optional[int] = None
-    """Use only the first N documents (quick experiments and tests)."""
+    """Use only the first N documents of data.paths, and the first N of data.val_paths (quick experiments and tests)."""
     paths: list = field(default_factory=list)
     """Source files or globs (`**` recursive); hf: data files or one save_to_disk directory."""
     val_paths: list = field(default_factory=list)

@@ -139,11 +139,12 @@ def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path
 
 def _documents(data_cfg, train_files, val_files, hf_cache, progress,
                decoder: TextDecoder) -> Iterator[tuple[str, Any, bool]]:
-    """(name, payload, is validation) of every document, up to data.max_docs."""
+    """(name, payload, is validation) of every document, up to data.max_docs of data.paths and as many
+    of data.val_paths (as data=tokens counts them)."""
     groups = [(train_files, None), (val_files, True)] if val_files else [(train_files, None)]
-    count = 0
     split_name = SplitNames(train_files)
     for files, validation in groups:
+        count = 0
         if data_cfg.name == "text":
             stream = text_documents(files, data_cfg.split_by)
         elif data_cfg.name == "jsonl":
@@ -152,7 +153,7 @@ def _documents(data_cfg, train_files, val_files, hf_cache, progress,
             stream = hf_documents(files, data_cfg.field, "validation" if validation else "train", hf_cache)
         for name, payload, read in stream:
             if data_cfg.max_docs is not None and count >= data_cfg.max_docs:
-                return
+                break
             progress.update(read)
             count += 1
             yield name, payload, bool(validation) if validation else (

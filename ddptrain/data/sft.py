@@ -153,11 +153,11 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
     decoder = TextDecoder(data_cfg.on_decode_error)
     total = sum(p.stat().st_size for p in [*train_files, *val_files] if p.is_file())
     progress = BuildProgress(total, "B", f"preprocessing sft with tokenizer {tokenizer.name}")
-    count = 0
     split_name = SplitNames(train_files)
     try:
         groups = [(train_files, "train"), (val_files, "validation")] if val_files else [(train_files, "train")]
         for files, split in groups:
+            count = 0  # data.max_docs of each: data.val_paths are not crowded out by data.paths
             for name, record, read in records(files, split, hf_cache, decoder):
                 if data_cfg.max_docs is not None and count >= data_cfg.max_docs:
                     break
