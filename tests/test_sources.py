@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,7 +20,7 @@ from ddptrain.data import DataError, load_splits
 from ddptrain.data import cache as cache_module
 from ddptrain.data import sources
 from ddptrain.data.dataset import TokenExamples
-from tests.helpers import TINY_RUN, import_optional, read_metrics, run_cli
+from tests.helpers import REPO, TINY_RUN, import_optional, read_metrics, run_cli
 
 SEQ_LEN = 16
 
@@ -259,6 +261,62 @@ def test_waiting_ranks_get_the_entry_or_the_builders_error(tmp_path):
         cache_module.build_or_wait(tmp_path, "k2", failing_build, is_builder=True)
     with pytest.raises(DataError, match="preprocessing failed on the building rank: DataError: corpus.jsonl:3: invalid JSON"):
         cache_module.build_or_wait(tmp_path, "k2", failing_build, is_builder=False, poll_s=0.05)
+
+
+_FAILED_LAUNCH = """
+import sys
+from pathlib import Path
+from ddptrain.data import cache
+def interrupted(tmp):
+    raise KeyboardInterrupt
+try:
+    cache.build_or_wait(Path(sys.argv[1]), "k3", interrupted, is_builder=True)
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_a_failure_marker_of_an_earlier_launch_does_not_fail_the_next_one(tmp_path, monkeypatch):
+    """A plain torchrun's run id is `none` on every launch (and a Slurm requeue keeps its job id): the
+    marker of a build interrupted in an earlier launch (another launcher process) or an earlier elastic
+    attempt must not fail the ranks waiting for this launch's build."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    earlier = subprocess.run([sys.executable, "-c", _FAILED_LAUNCH, str(tmp_path)], capture_output=True, text=True,
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert "interrupted" in earlier.stdout, earlier.stderr[-3000:]
+    assert [p for p in tmp_path.iterdir() if ".failed-" in p.name], "the earlier launch left its marker"
+
+    def build(tmp):
+        time.sleep(0.5)
+        np.save(tmp / "x.npy", np.arange(3))
+        return {"ok": 1}
+
+    for restart in ("0", "1"):  # this launch; then an elastic restart after a failure of its own
+        if restart == "1":
+            with pytest.raises(KeyboardInterrupt):
+                cache_module.build_or_wait(tmp_path, "k4", _interrupted, is_builder=True)
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        key = "k3" if restart == "0" else "k4"
+        results = {}
+        waiter = threading.Thread(target=lambda: results.setdefault("waiter", _outcome(
+            lambda: cache_module.build_or_wait(tmp_path, key, build, is_builder=False, poll_s=0.05))))
+        waiter.start()
+        time.sleep(0.2)
+        cache_module.build_or_wait(tmp_path, key, build, is_builder=True)
+        waiter.join(timeout=10)
+        outcome = results["waiter"]  # (entry, meta, built), or (None, the waiter's error)
+        assert isinstance(outcome[1], dict) and outcome[1]["ok"] == 1, outcome
+
+
+def _interrupted(tmp):
+    raise KeyboardInterrupt
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as error:  # the waiter's error, for the assertion to show
+        return None, repr(error)
 
 
 # -- bad input -------------------------------------------------------------------------------------

@@ -74,17 +74,22 @@ def cache_key(fingerprint: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
 
 
-def _run_id() -> str:
-    # torchrun gives every launch its own id (a uuid with --standalone); a failure marker of an
-    # earlier launch must not fail this one.
-    return os.environ.get("TORCHELASTIC_RUN_ID", "single")
+def _failure_marker(cache_dir: Path, key: str) -> Path:
+    """Where this launch's local rank 0 says its build of `key` failed, for the ranks waiting beside it.
+
+    Named after this host and launch attempt: the launcher's pid (the torchrun agent, which every local
+    rank shares), its run id and restart count. The run id alone is the same for every launch of
+    a plain torchrun (`none`), for elastic restarts and for Slurm requeues (`--rdzv-id=$SLURM_JOB_ID`):
+    a marker of an earlier attempt must not fail this one."""
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'single')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return cache_dir / f"{key}.failed-{socket.gethostname()}-{os.getppid()}-{attempt}"
 
 
 def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_builder: bool,
                   poll_s: float = 0.5) -> tuple[Path, dict, bool]:
     """(entry dir, its meta, whether this call built it). `build(tmp_dir)` writes the arrays and returns meta."""
     entry = cache_dir / key
-    failed = cache_dir / f"{key}.failed-{_run_id()}"
+    failed = _failure_marker(cache_dir, key)
     if (entry / _META).is_file():
         meta = _read_meta(entry)
         damage = damaged_file(entry, meta)
@@ -100,6 +105,7 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
         return entry, _wait_for(entry, failed, poll_s), False
     cache_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_builds(cache_dir)
+    failed.unlink(missing_ok=True)  # a launcher pid reused by a later attempt
     tmp = cache_dir / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -132,14 +138,16 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
 
 def remove_stale_builds(cache_dir: Path) -> list[Path]:
     """Delete the temporary directories of builds on this host whose process is gone (OOM-killed,
-    SIGKILLed: no `except` ran to clean up). Builds on other hosts are left alone."""
+    SIGKILLed: no `except` ran to clean up), and the failure markers of launchers gone. Builds on
+    other hosts are left alone."""
     host = socket.gethostname()
     removed = []
-    for path in cache_dir.glob(f"*.tmp-{host}-*"):
-        pid = path.name.rsplit(".tmp-", 1)[1][len(host) + 1:].split("-")[0]
-        if pid.isdigit() and not pid_is_running(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+    for kind in ("tmp", "failed"):
+        for path in cache_dir.glob(f"*.{kind}-{host}-*"):
+            pid = path.name.rsplit(f".{kind}-", 1)[1][len(host) + 1:].split("-")[0]
+            if pid.isdigit() and not pid_is_running(int(pid)):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                removed.append(path)
     if removed:
         log.info("data: removed %d temporary director(ies) of dead preprocessing runs, e.g. %s", len(removed), removed[0])
     return removed
