@@ -141,6 +141,28 @@ def test_a_template_without_markers_gives_the_same_spans_from_its_prefixes(tmp_p
     assert _all(plain.train) + _all(plain.val) == [_reference(hf, chat["messages"]) for chat in chats]
 
 
+def test_a_conversation_opened_by_the_assistant_trains_on_its_content_only(tmp_path):
+    """Split by prefixes, the assistant's header before the FIRST message is the generation prompt of no
+    message: it must be rendered too (it was not, and the header became a target)."""
+    directory = _tokenizer_dir(tmp_path / "tok")
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    chats = [{"messages": [{"role": "assistant", "content": "hello how can I help"},
+                           {"role": "user", "content": "what time"}, {"role": "assistant", "content": "the first day"}]}]
+    plain = _load(tmp_path, chats * 2, directory, chat_template=str(tmp_path / "plain.jinja"))
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    assert _all(plain.train)[0] == _reference(hf, chats[0]["messages"])
+    header = hf.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert _all(plain.train)[0][1][: len(header) - 1] == [IGNORE_INDEX] * (len(header) - 1)
+
+
+def test_a_tokenizer_file_not_named_tokenizer_json_beside_a_config_is_refused(tmp_path):
+    """AutoTokenizer reads a directory's tokenizer.json: another file named there would be silently ignored."""
+    directory = _tokenizer_dir(tmp_path / "tok")
+    (directory / "other.json").write_bytes((directory / "tokenizer.json").read_bytes())
+    with pytest.raises(DataError, match=r"other.json lies beside a tokenizer_config.json, .*; name it tokenizer.json"):
+        ChatTokenizer(str(directory / "other.json"))
+
+
 def test_a_template_that_cannot_be_split_into_messages_is_refused(tmp_path):
     (tmp_path / "bad.jinja").write_text(UNSPLITTABLE)
     with pytest.raises(DataError, match=r"c.jsonl:1: the chat template cannot be split into messages: the first 1 "

@@ -58,6 +58,10 @@ class ChatTokenizer:
                             "with the tokenizer_config.json beside it)")
         directory = self.path.parent
         if (directory / "tokenizer_config.json").is_file():
+            if self.path.name != "tokenizer.json":  # AutoTokenizer would read the directory's tokenizer.json
+                raise DataError(f"data.tokenizer: {self.path} lies beside a tokenizer_config.json, so data=sft reads "
+                                "the directory as transformers saved it, whose tokenizer file is tokenizer.json, not "
+                                f"{self.path.name}; name it tokenizer.json, or move it to a directory of its own")
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
             self.files = [directory / name for name in _TOKENIZER_FILES if (directory / name).is_file()]
         else:
@@ -131,10 +135,14 @@ class ChatTokenizer:
 
     def _prefix_tokens(self, name: str, prefix: list[dict], text: str, ids: list[int], what: str,
                        generation_prompt: bool = False) -> int:
-        """How many of the whole conversation's tokens the first len(prefix) messages render to."""
-        if not prefix:
+        """How many of the whole conversation's tokens the first len(prefix) messages render to (with
+        the generation prompt: the header before an assistant message, even before the first message)."""
+        if not prefix and not generation_prompt:
             return 0
-        prefix_text = self._apply(name, prefix, add_generation_prompt=generation_prompt)
+        if prefix:
+            prefix_text = self._apply(name, prefix, add_generation_prompt=generation_prompt)
+        else:
+            prefix_text = self._generation_prompt_alone(name)
         where = f"the first {len(prefix)} message(s){what}"
         if not text.startswith(prefix_text):
             at = next((i for i, (a, b) in enumerate(zip(prefix_text, text)) if a != b), min(len(prefix_text), len(text)))
@@ -145,6 +153,21 @@ class ChatTokenizer:
             raise DataError(f"{name}: the chat template cannot be split into messages: {where} tokenize differently "
                             f"from the start of the whole conversation (a token spans the boundary); {_NO_SPLIT_HINT}")
         return len(prefix_ids)
+
+    def _generation_prompt_alone(self, name: str) -> str:
+        """The template's text for no message and the generation prompt: what comes before a conversation
+        opened by the assistant (a BOS, a default system prompt, the assistant's header). transformers'
+        apply_chat_template refuses an empty conversation, so its own renderer is called as it calls it."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, _ = render_jinja_template(conversations=[[]], chat_template=self.template,
+                                                add_generation_prompt=True, **self.tokenizer.special_tokens_map)
+        except Exception as error:  # a template that reads messages[0]
+            raise DataError(f"{name}: the chat template cannot be split into messages: it cannot render the "
+                            f"generation prompt before the first message, an assistant's ({type(error).__name__}: "
+                            f"{error}); {_NO_SPLIT_HINT}") from None
+        return rendered[0]
 
     def _split_by_prefixes(self, name: str, messages: list[dict], first_target: int) -> tuple[list[int], list[int]]:
         text = self._apply(name, messages)
