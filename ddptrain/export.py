@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ExportError, FileNotFoundError, CheckpointError, ModelError) as error:
         print(f"export error: {error}", file=sys.stderr)
         sys.exit(2)
+    except OSError as error:  # out_dir under a file, a read-only or full disk: nothing was written there
+        print(f"export error: cannot write {args.out_dir}: {error}", file=sys.stderr)
+        sys.exit(2)
     source = weights_dir(args.run_dir)
     if source.name != "final":  # load_model's fallback: say which weights these are
         print(f"note: {args.run_dir} has no final/ yet (the run has not finished or been preempted): exported the "

@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be >= 1")
+    if args.tolerance is not None and not 0 <= args.tolerance < math.inf:
+        parser.error(f"--tolerance={args.tolerance} must be a finite relative difference >= 0")
 
     setup_logging()
     try:

@@ -203,3 +203,14 @@ def test_exported_run_matches_load_model_end_to_end(tmp_path):
     again = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(out_dir)], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
+
+
+def test_an_out_dir_that_cannot_be_made_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "afile").write_text("mine")
+    monkeypatch.setattr(ddptrain, "load_model", lambda run_dir: random_gpt(bias=False), raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "run"), str(tmp_path / "afile" / "out")])
+    assert exit_info.value.code == 2
+    assert f"export error: cannot write {tmp_path / 'afile' / 'out'}" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -680,3 +680,18 @@ def test_sampling_params_state_the_rule():
     with pytest.raises(ValueError, match=r"temperature=2.5 must be a number in \[0, 2\]"):
         SamplingParams(temperature=2.5)
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_bad_device_and_cache_flags_are_clear_errors(run_dir, capsys):
+    from ddptrain.serving.generate import main as generate_main
+    from ddptrain.serving.server import main as serve_main
+
+    bad = [(generate_main, ["--prompt", "x", "--device", "nonsense"], "--device='nonsense' is not a device"),
+           (serve_main, ["--device", "nonsense"], "--device='nonsense' is not a device"),
+           (serve_main, ["--kv-cache-mb", "-1"], "kv_cache_mb=-1.0 must be a finite number of MiB > 0")]
+    if not torch.cuda.is_available():
+        bad.append((generate_main, ["--prompt", "x", "--device", "cuda"], "--device='cuda': this machine has 0 CUDA"))
+    for main, flags, message in bad:
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(run_dir), *flags])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, flags

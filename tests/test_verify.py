@@ -181,3 +181,10 @@ def test_a_nan_difference_on_any_step_never_agrees(where, step):
     assert math.isnan(relative_difference({"a": torch.ones(3), "b": torch.tensor([1.0, math.nan])}, weights))
     assert math.isnan(relative_difference({"a": torch.tensor([math.nan, 1, 1]), "b": torch.ones(2)}, weights))
     assert relative_difference({"a": torch.ones(3), "b": torch.tensor([1.0, 1.5])}, weights) == 0.5
+
+
+@pytest.mark.parametrize("tolerance", ["-1", "inf", "nan"])
+def test_a_tolerance_that_nothing_could_meet_or_everything_meets_is_refused(tolerance, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tolerance", tolerance])
+    assert exit_info.value.code == 2 and "must be a finite relative difference >= 0" in capsys.readouterr().err

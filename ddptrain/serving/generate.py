@@ -288,6 +288,22 @@ class Completion:
 # -- the shared decoding loop ---------------------------------------------------------------------
 
 
+def serving_device(flag: str | None) -> torch.device:
+    """The device a `--device` flag names (None: cuda if available, else cpu); a ValueError naming the
+    flag when torch cannot read it or this machine has no such device."""
+    if flag is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(flag)
+    except RuntimeError:
+        raise ValueError(f"--device={flag!r} is not a device: cpu, cuda, cuda:N, ...") from None
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        why = "" if torch.cuda.is_available() else " (torch.cuda.is_available() is False)"
+        raise ValueError(f"--device={flag!r}: this machine has {torch.cuda.device_count()} CUDA device(s){why}; "
+                         "use --device=cpu")
+    return device
+
+
 class Generator:
     """Transformers' continuous batching over one model directory (config.json + tokenizer.json).
 
@@ -307,9 +323,11 @@ class Generator:
 
         if max_active < 1 or max_queue < 0:
             raise ValueError(f"max_active={max_active} must be >= 1 and max_queue={max_queue} >= 0")
+        if not kv_cache_mb > 0 or math.isinf(kv_cache_mb):
+            raise ValueError(f"kv_cache_mb={kv_cache_mb} must be a finite number of MiB > 0")
         self.model_dir = Path(model_dir)
         self.max_active, self.max_queue, self.kv_cache_mb = max_active, max_queue, kv_cache_mb
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = serving_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype="auto", local_files_only=True)
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
@@ -541,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     except RequestError as error:
         print(f"generate error: {error}", file=sys.stderr)
         sys.exit(2)
-    except (ServableError, FileNotFoundError) as error:
+    except (ServableError, FileNotFoundError, ValueError) as error:
         print(f"generate error: {error}", file=sys.stderr)
         sys.exit(2)
 
