@@ -295,6 +295,8 @@ def test_top_p_and_temperature_draw_from_the_nucleus_only():
     assert {_draw(logits, 1.0, 0.7, generator) for _ in range(300)} == {0, 1}
     assert {_draw(logits, 1.0, 0.85, generator) for _ in range(300)} == {0, 1, 2}
     assert {_draw(logits, 1.0, 1.0, generator) for _ in range(600)} == {0, 1, 2, 3}
+    even = torch.zeros(4)  # the smallest set that holds top_p: 2 of 4 equal tokens hold 0.5 (not 3)
+    assert len({_draw(even, 1.0, 0.5, generator) for _ in range(300)}) == 2
     cold = [_draw(logits, 0.05, 1.0, generator) for _ in range(300)]
     assert cold.count(0) > 290  # a low temperature is nearly greedy
 

@@ -173,7 +173,7 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (V,)
     if top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(0) - sorted_probs > top_p  # mass before it already exceeds top_p
+        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p  # the mass before it already reaches top_p
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator))
 
