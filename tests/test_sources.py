@@ -189,6 +189,14 @@ def test_a_tokenizer_saved_with_truncation_or_padding_still_tokenizes_documents_
         assert data.train.lengths.sum() == plain.train.lengths.sum(), setting
 
 
+def test_a_malformed_file_for_datasets_is_a_data_error_naming_it_and_the_cause(tmp_path):
+    import_optional("datasets")
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": oops}\n')
+    with pytest.raises(DataError, match=rf"data.paths: \['{path}'\]: datasets could not read them: ArrowInvalid: JSON"):
+        _load(tmp_path, "hf", [path], field="text")
+
+
 def test_hf_datasets_from_local_files_and_a_saved_directory(tmp_path):
     datasets = import_optional("datasets")
     rows = [{"body": f"row {i} " * 5} for i in range(30)]

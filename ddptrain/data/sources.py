@@ -293,8 +293,13 @@ def hf_records(paths: list[Path], split: str, cache_dir: Path) -> tuple[str, Ite
         if None in kinds or len(kinds) != 1:
             raise DataError(f"data.paths: {[str(p) for p in paths]} must all be .json/.jsonl, .csv, .parquet or .txt "
                             "files (or one save_to_disk directory)")
-        dataset = datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in paths], split="train",
-                                        cache_dir=str(cache_dir))
+        try:
+            dataset = datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in paths], split="train",
+                                            cache_dir=str(cache_dir))
+        except datasets.exceptions.DatasetGenerationError as error:  # "An error occurred...": the cause says what
+            cause = error.__cause__ or error.__context__ or error
+            raise DataError(f"data.paths: {[str(p) for p in paths]}: datasets could not read them: "
+                            f"{type(cause).__name__}: {cause}") from None
         where = str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
 
     def rows(columns: list[str]) -> Iterator[tuple[str, dict]]:
