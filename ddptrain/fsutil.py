@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
 import pickle
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,47 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the two existing paths `a` and `b` in one atomic step: renameat2(RENAME_EXCHANGE) (Linux
+    3.15, glibc 2.28; man 2 rename). False, with nothing changed, where the kernel, the C library or
+    the filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def replace_dir(new: Path, target: Path, aside: Path) -> None:
+    """Put the directory `new` under the name `target`, and the directory that held that name (if
+    any) under `aside`, replacing an earlier one there. On Linux the swap is one atomic exchange, so
+    a reader, or a crash, finds the old or the new directory at `target`, never none; elsewhere it
+    is two renames, with a moment between them where `target` is absent."""
+    if not target.exists():
+        os.replace(new, target)
+    else:
+        if aside.exists():
+            shutil.rmtree(aside)
+        if _exchange(new, target):
+            os.replace(new, aside)  # `new` names the old directory now
+        else:
+            os.replace(target, aside)
+            os.replace(new, target)
+    fsync_dir(target.parent)
 
 
 def sha256_file(path: Path) -> str:

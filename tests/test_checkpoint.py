@@ -132,6 +132,33 @@ def test_corrupted_newest_checkpoint_is_named_and_skipped(nine_steps, tmp_path, 
     assert "step_00000006" in (tmp_path / "train.log").read_text().split("resumed from", 1)[1].splitlines()[0]
 
 
+def _final_weights_file(run_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def test_a_rollback_to_an_older_checkpoint_replaces_the_later_checkpoint_and_final_weights(nine_steps, tmp_path):
+    """Resumed from step 6 with another learning rate, the run writes its own step 9 and final/ over
+    the abandoned trajectory's (kept aside), never keeping theirs while logging "saved"."""
+    shutil.copytree(nine_steps, tmp_path, dirs_exist_ok=True)
+    step9 = ckpt.checkpoint_dir(tmp_path) / ckpt.step_name(9)
+    old_weights = ckpt.read_weights(step9)
+    result = train(tmp_path, "trainer.max_steps=9", "checkpoint.every=3", "checkpoint.keep=5", "optim.lr=0.01",
+                   f"checkpoint.resume={ckpt.checkpoint_dir(tmp_path) / ckpt.step_name(6)}", nproc=1)
+    assert "another trajectory's" in result.stderr and ".replaced-step_00000009" in result.stderr, result.stderr[-3000:]
+    assert ckpt.load_trainer_state(step9)["config"]["optim"]["lr"] == 0.01
+    new_weights = ckpt.read_weights(step9)
+    assert any(not torch.equal(new_weights[key], old_weights[key]) for key in old_weights), "step 9 is rewritten"
+    aside = ckpt.checkpoint_dir(tmp_path) / ".replaced-step_00000009"
+    ckpt.verify(aside)
+    assert_bitwise_equal(ckpt.read_weights(aside), old_weights)
+    final = _final_weights_file(tmp_path)
+    assert all(torch.equal(final[key], new_weights[key]) for key in final), "final/ holds the new step 9"
+    assert [m["lr"] for m in read_metrics(tmp_path)[6:]] == [0.01] * 3
+    assert ckpt.find_latest(tmp_path) == step9, "auto resumes the new trajectory"
+
+
 def _start_ranks(run_dir, overrides, world_size=2):
     """Two plain `python -m ddptrain` processes forming one group, so each exit code is visible."""
     port = free_port()

@@ -240,13 +240,15 @@ def test_a_full_disk_names_the_path_on_every_rank_and_keeps_the_previous_checkpo
 
 
 @pytest.mark.slow
-def test_each_rank_hashes_a_balanced_share_and_a_step_is_written_once(tmp_path):
+def test_each_rank_hashes_a_balanced_share_and_a_step_saved_again_replaces_the_old_one(tmp_path):
     from ddptrain.testing import run_distributed
 
     run_distributed(_write_twice, 2, str(tmp_path))
     path = ckpt.checkpoint_dir(tmp_path) / ckpt.step_name(3)
     meta = ckpt.verify(path)
     assert sorted(meta["sha256"]) == ["big_rank0.pt", "big_rank1.pt", "rng_rank0.pt", "rng_rank1.pt", "trainer.pt"]
+    replaced = ckpt.verify(ckpt.checkpoint_dir(tmp_path) / ".replaced-step_00000003")
+    assert replaced["sha256"]["big_rank1.pt"] != meta["sha256"]["big_rank1.pt"], "the first save, kept aside"
     files = [path / name for name in meta["sha256"]]
     shares = ckpt._shares(files, 2)
     sizes = [sum(p.stat().st_size for p in share) for share in shares]
@@ -261,10 +263,12 @@ def _save_shard(directory) -> None:
 
 
 def _write_twice(tmp: str) -> None:
+    """A second save of a step (what the Checkpointer does only for another trajectory's checkpoint
+    of it) replaces the first once every rank has written, never mixing their files."""
     first = ckpt.write_checkpoint(tmp, 3, {"step": 3}, save_state=_save_shard)
-    stamp = (first / ckpt.MARKER).stat().st_mtime_ns
+    before = (first / ckpt.MARKER).read_text()
     again = ckpt.write_checkpoint(tmp, 3, {"step": 3}, save_state=_save_shard)
-    assert again == first and (first / ckpt.MARKER).stat().st_mtime_ns == stamp, "the same step is not rewritten"
+    assert again == first and (first / ckpt.MARKER).read_text() != before, "the step is written again"
 
 
 # -- rank-local errors ----------------------------------------------------------------------------

@@ -13,7 +13,10 @@ Layout of one checkpoint (a directory under `<run.dir>/checkpoints/`):
         COMPLETE.json     written last: the step and a sha256 of every file above
 
 A directory becomes visible under its final name only after every rank has written and the
-marker is on disk, so `auto` can never pick a checkpoint that a killed run left half-written.
+marker is on disk, so `auto` can never pick a checkpoint that a killed run left half-written. A
+step directory already there is never taken for this save: one that does not verify is moved
+aside first, one that verifies (left by another trajectory: a run resumed from an older
+checkpoint) stays until the new one is complete, and is then swapped out for it.
 
 Checkpoints written before the neutral layout hold `strategy/` instead of `state/`: the strategy's
 own files (ddp model.pt + optimizer.pt, zero* DeepSpeed's, fsdp already a DCP directory of the
@@ -38,8 +41,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from ddptrain.distributed import barrier, first_failure, get_rank, get_world_size, is_rank_zero
-from ddptrain.fsutil import (UnsafeFileError, describe_write_error, fsync_dir, fsync_file, load_torch, save_torch,
-                             sha256_file)
+from ddptrain.fsutil import (UnsafeFileError, describe_write_error, fsync_file, load_torch, replace_dir,
+                             save_torch, sha256_file)
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +111,10 @@ def write_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
     everything); rank 0 gathers the digests and writes the marker. An error on any rank (a full
     disk) fails every rank at once, names the path and the cause, removes the temporary directory
     and keeps the previous checkpoint. `failpoint` (tests) is called between the payload and the marker.
+    A checkpoint of this step already there is replaced (`_open`): the caller decides whether the
+    step needs saving (Checkpointer.save does not write again what it wrote or resumed from).
     """
     final, tmp = _open(run_dir, step)
-    if tmp is None:  # this step is already saved (a preemption right after a checkpoint step)
-        return final
     error: BaseException | None = None
     try:
         _write_small_files(tmp, trainer_state)
@@ -175,14 +178,11 @@ class PendingCheckpoint:
 
 
 def start_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None, save_state_async,
-                     failpoint=None) -> PendingCheckpoint | Path:
+                     failpoint=None) -> PendingCheckpoint:
     """Collective: `write_checkpoint` with the weights and optimizer state written in the
     background. `save_state_async(dir)` returns a future of the write once what it needs is copied
-    off the device (Engine.save(dir, background=True)). Returns the PendingCheckpoint to commit, or the
-    final directory when the step is already saved."""
+    off the device (Engine.save(dir, background=True)). Returns the PendingCheckpoint to commit."""
     final, tmp = _open(run_dir, step)
-    if tmp is None:
-        return final
     error, pending = None, None
     try:
         _write_small_files(tmp, trainer_state)
@@ -198,17 +198,17 @@ def start_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
     return pending
 
 
-def _open(run_dir: str | Path, step: int) -> tuple[Path, Path | None]:
-    """Collective: (the final directory, a fresh temporary one to write into), or (final, None)
-    when that step is already saved and verifies. A step directory that does not verify (a damaged
-    file, or no marker: a save that never finished) is moved aside and written again: it never
-    counts as saved and never blocks the rename. Rank 0 decides and tells the others."""
+def _open(run_dir: str | Path, step: int) -> tuple[Path, Path]:
+    """Collective: (the final directory, a fresh temporary one to write into). A step directory
+    that does not verify (a damaged file, or no marker: a save that never finished) is moved aside
+    now: it never counts as saved and never blocks the rename. One that verifies is another
+    trajectory's (the caller does not save a step it already holds): it stays, the newest complete
+    checkpoint should this save fail, until `_commit` swaps the new one in. Rank 0 decides and tells
+    the others."""
     root = checkpoint_dir(run_dir)
     final = root / step_name(step)
     tmp = root / f".tmp-{step_name(step)}"
     damage = _damage(final)
-    if damage is None:
-        return final, None
     error = None
     if is_rank_zero():
         try:
@@ -258,6 +258,12 @@ def _move_aside(path: Path) -> Path:
     return aside
 
 
+def _replaced_name(path: Path) -> Path:
+    """Where a step directory of another trajectory goes once this run's checkpoint of that step
+    replaces it (hidden from resume and purge; an earlier one of that step is replaced)."""
+    return path.with_name(f".replaced-{path.name}")
+
+
 def _write_small_files(tmp: Path, trainer_state: dict | None) -> None:
     if is_rank_zero() and trainer_state is not None:
         save_torch(trainer_state, tmp / "trainer.pt")
@@ -297,7 +303,9 @@ def _digests(tmp: Path, files: list[Path]) -> dict[str, str]:
 
 
 def _commit(step: int, tmp: Path, final: Path, digests: dict[str, str]) -> None:
-    """Collective: rank 0 gathers every rank's digests, writes the marker and renames `tmp` to `final`."""
+    """Collective: rank 0 gathers every rank's digests, writes the marker and renames `tmp` to
+    `final`; a checkpoint of that step already there (another trajectory's, `_open`) is swapped out
+    in the same rename where the OS can (fsutil.replace_dir) and kept as `.replaced-<name>`."""
     gathered = _gather(digests)
     if is_rank_zero():
         sums = {name: digest for part in gathered for name, digest in sorted(part.items())}
@@ -305,8 +313,12 @@ def _commit(step: int, tmp: Path, final: Path, digests: dict[str, str]) -> None:
         marker.write_text(json.dumps({"step": step, "world_size": get_world_size(), "sha256": dict(sorted(sums.items()))},
                                      indent=1))
         fsync_file(marker)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
+        replaced = final.exists()
+        replace_dir(tmp, final, aside=_replaced_name(final))
+        if replaced:
+            log.warning("the checkpoint of step %d in %s was another trajectory's (this run neither wrote it nor "
+                        "resumed from it): replaced by this run's, the old one moved to %s", step, final,
+                        _replaced_name(final).name)
     barrier()
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from ddptrain.config.schema import TrainConfig
 from ddptrain.distributed import DistInfo, Rank0Filter, all_ranks, barrier, is_rank_zero, raise_on_every_rank
 from ddptrain.engine.engine import Engine
-from ddptrain.fsutil import describe_write_error
+from ddptrain.fsutil import describe_write_error, sha256_file
 from ddptrain.models.adapters import ModelAdapter
 from ddptrain.models.spec import ModelSpec
 from ddptrain.train import checkpoint as ckpt
@@ -45,6 +45,7 @@ class Checkpointer:
         self.async_save = cfg.checkpoint.async_save
         self._pending: ckpt.PendingCheckpoint | None = None
         self.config_changes: list = []
+        self._held: dict[int, Path] = {}  # step -> the checkpoint of this run: the one resumed from, each one saved
         self._lock: RunDirLock | None = None
         self._file_log: logging.Handler | None = None
 
@@ -110,6 +111,7 @@ class Checkpointer:
         defaults = {**defaults_of(TrainConfig), **model_defaults(current.get("model", {}))}
         self.config_changes = check_config(state.get("config", {}), current, defaults,
                                            fingerprinted=state.get("fingerprint") is not None)
+        self._held[state["step"]] = Path(path)
         return state
 
     def restore(self, state: dict, engine: Engine, samples_seen: Callable[[int], int], spec: ModelSpec) -> None:
@@ -163,8 +165,13 @@ class Checkpointer:
         an error on any rank (non-finite weights, a full disk) fails every rank at once. With
         checkpoint.async_save the weights and optimizer state are written in the background and the
         checkpoint is committed by a later `poll` or `wait` (an earlier one still being written is
-        committed first)."""
+        committed first). A step this run already holds (a preemption right after its checkpoint)
+        is not written again; any other checkpoint of that step in run.dir (another trajectory's: a
+        run resumed from an older checkpoint) is replaced, never taken for this run's."""
         self.wait()
+        held = self._held.get(step)
+        if held is not None and _is_same(held, ckpt.checkpoint_dir(self.run_dir) / ckpt.step_name(step)):
+            return held
         state, error = None, None
         if is_rank_zero():
             try:
@@ -174,12 +181,9 @@ class Checkpointer:
         raise_on_every_rank(error)
         failpoint = self.faults.in_checkpoint(step) if self.faults is not None else None
         if self.async_save and step != self.last_step:  # the last step's is waited for anyway: no gain
-            started = ckpt.start_checkpoint(self.run_dir, step, state, failpoint=failpoint,
-                                            save_state_async=lambda d: engine.save(d, background=True))
-            if isinstance(started, ckpt.PendingCheckpoint):
-                self._pending = started
-                return started.final
-            return started
+            self._pending = ckpt.start_checkpoint(self.run_dir, step, state, failpoint=failpoint,
+                                                  save_state_async=lambda d: engine.save(d, background=True))
+            return self._pending.final
         path = ckpt.write_checkpoint(self.run_dir, step, state, save_state=lambda d: engine.save(d),
                                      failpoint=failpoint)
         self._saved(step, path)
@@ -198,18 +202,24 @@ class Checkpointer:
             self._saved(pending.step, pending.commit())
 
     def _saved(self, step: int, path: Path) -> None:
+        self._held[step] = path
         ckpt.purge(self.run_dir, self.cfg.checkpoint.keep, protect=path)
         log.info("checkpoint of step %d saved in %s", step, path)
 
     # -- final weights -------------------------------------------------------------------------
 
     def final_is_current(self, step: int) -> bool:
-        """Collective: whether final/ holds this step's weights and verifies (rank 0 checks; a
-        final/ that does not verify is said and rebuilt from this step's state)."""
+        """Collective: whether final/ holds this run's weights of this step: it verifies and names
+        (by the sha256 of its COMPLETE.json) this run's checkpoint of the step, the one resumed from
+        or saved. Rank 0 checks. A final/ of another trajectory at this step (a run resumed from an
+        older checkpoint), or one written before final/ named its checkpoint, is rewritten; one that
+        does not verify is said and rebuilt from this step's state."""
         decided = [False]
         if is_rank_zero() and _final_step(self.run_dir) == step:  # another step's: rewritten without hashing it
             try:
-                decided[0] = verify_final(final_dir(self.run_dir))["step"] == step
+                meta = verify_final(final_dir(self.run_dir))
+                checkpoint = self._checkpoint_sha256(step)
+                decided[0] = checkpoint is not None and meta.get("checkpoint_sha256") == checkpoint
             except ckpt.CheckpointError as error:
                 log.warning("%s: final/ is rebuilt from the state of step %d", error, step)
         if dist.is_initialized():
@@ -220,7 +230,7 @@ class Checkpointer:
         """Collective: gathers the full weights (every strategy) and rank 0 writes run.dir/final/."""
         self.wait()
         path = final_dir(self.run_dir)
-        if self.final_is_current(step):  # a preemption right after the last step's save
+        if self.final_is_current(step):  # a relaunch with nothing left to do, after this run's final/
             return path
         state = engine.model_state_dict(trainable_only=not adapter.saves_frozen_weights(spec))  # LoRA: the adapter
         error = None
@@ -229,7 +239,8 @@ class Checkpointer:
                 _check_finite(state, step, "final weights are not written and the previous ones are kept")
                 files = adapter.tokenizer_files(OmegaConf.to_container(self.cfg.model, resolve=True),
                                                 self.cfg.data.tokenizer)
-                path = save_final(self.run_dir, model, state, spec, step, files)
+                path = save_final(self.run_dir, model, state, spec, step, files,
+                                  checkpoint_sha256=self._checkpoint_sha256(step))
                 log.info("final weights of step %d saved in %s (ddptrain.load_model(%r) reads them)",
                          step, path, str(self.run_dir))
             except FloatingPointError as caught:
@@ -239,6 +250,18 @@ class Checkpointer:
                                              f"{describe_write_error(caught, path)}")
         raise_on_every_rank(error, ckpt.CheckpointError)
         return path
+
+    def _checkpoint_sha256(self, step: int) -> str | None:
+        """The sha256 of the COMPLETE.json of this run's checkpoint of `step` (None: it holds none)."""
+        held = self._held.get(step)
+        try:
+            return sha256_file(held / ckpt.MARKER) if held is not None else None
+        except OSError:
+            return None
+
+
+def _is_same(a: Path, b: Path) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
 
 
 def _final_step(run_dir: Path) -> int | None:

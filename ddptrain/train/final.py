@@ -27,7 +27,7 @@ from torch import nn
 
 from ddptrain.models.adapters import WEIGHTS_FILE, adapter_of, load_weights
 from ddptrain.models.spec import ModelSpec
-from ddptrain.fsutil import sha256_file
+from ddptrain.fsutil import replace_dir, sha256_file
 from ddptrain.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,10 @@ def final_dir(run_dir: str | Path) -> Path:
 
 
 def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, torch.Tensor], spec: ModelSpec,
-               step: int, tokenizer_files: list[Path]) -> Path:
-    """Write `final/` (rank 0). `module` is the unwrapped model (for model=hf its save_pretrained)."""
+               step: int, tokenizer_files: list[Path], checkpoint_sha256: str | None = None) -> Path:
+    """Write `final/` (rank 0). `module` is the unwrapped model (for model=hf its save_pretrained);
+    `checkpoint_sha256`, the sha256 of the COMPLETE.json of the checkpoint these weights are, tells
+    a later launch at this step whether final/ is its run's (Checkpointer.final_is_current)."""
     final = final_dir(run_dir)
     tmp = final.with_name(f".tmp-{FINAL}")
     if tmp.exists():
@@ -53,17 +55,14 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
     for file in tokenizer_files:
         shutil.copy2(file, tmp / file.name)
     digests = {str(path.relative_to(tmp)): sha256_file(path) for path in sorted(tmp.rglob("*")) if path.is_file()}
-    (tmp / SPEC_FILE).write_text(json.dumps({**spec.to_dict(), "step": step, "sha256": digests}, indent=1))
+    source = {"checkpoint_sha256": checkpoint_sha256} if checkpoint_sha256 is not None else {}
+    (tmp / SPEC_FILE).write_text(json.dumps({**spec.to_dict(), "step": step, **source, "sha256": digests}, indent=1))
     for path in tmp.rglob("*"):
         if path.is_file():
             with open(path, "rb+") as handle:
                 os.fsync(handle.fileno())
     old = final.with_name(f".old-{FINAL}")
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
+    replace_dir(tmp, final, aside=old)  # one atomic exchange where the OS can
     shutil.rmtree(old, ignore_errors=True)
     return final
 
