@@ -159,6 +159,22 @@ def test_a_rollback_to_an_older_checkpoint_replaces_the_later_checkpoint_and_fin
     assert ckpt.find_latest(tmp_path) == step9, "auto resumes the new trajectory"
 
 
+def test_a_resume_from_another_runs_checkpoint_moves_the_run_dirs_earlier_run_aside(nine_steps, tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, "trainer.max_steps=9", "checkpoint.every=3", "run.seed=7", nproc=1)
+    resume = ckpt.checkpoint_dir(nine_steps) / ckpt.step_name(6)
+    result = train(run_dir, "trainer.max_steps=9", "checkpoint.every=3", f"checkpoint.resume={resume}", nproc=1)
+    assert f"held an earlier run; checkpoint.resume={resume} is not one of its checkpoints, so it was moved to" \
+        in result.stderr, result.stderr[-3000:]
+    (previous,) = (run_dir / "previous").iterdir()
+    assert [m["step"] for m in read_metrics(previous)] == list(range(1, 10))
+    assert [step for step, _ in ckpt.list_checkpoints(previous)] == [6, 9]
+    assert [m["step"] for m in read_metrics(run_dir)] == [7, 8, 9], "no line of the seed-7 run"
+    assert losses(run_dir) == losses(nine_steps)[6:]
+    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [9]
+    assert_bitwise_equal(_final_weights_file(run_dir), _final_weights_file(nine_steps))
+
+
 def _start_ranks(run_dir, overrides, world_size=2):
     """Two plain `python -m ddptrain` processes forming one group, so each exit code is visible."""
     port = free_port()

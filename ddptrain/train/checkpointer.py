@@ -96,7 +96,9 @@ class Checkpointer:
 
     def saved_state(self) -> dict:
         """The trainer state of the checkpoint to resume from ({} for a fresh start), its config
-        checked against ours. A fresh start moves an earlier run in the run dir aside first."""
+        checked against ours. A fresh start, or a resume from a checkpoint outside
+        run.dir/checkpoints (another run's), moves an earlier run in the run dir aside first: one run
+        dir never mixes two runs."""
         path = ckpt.agree_on_checkpoint(self.run_dir, self.cfg.checkpoint.resume)
         if path is None:
             if is_rank_zero():
@@ -112,6 +114,10 @@ class Checkpointer:
         self.config_changes = check_config(state.get("config", {}), current, defaults,
                                            fingerprinted=state.get("fingerprint") is not None)
         self._held[state["step"]] = Path(path)
+        if not _is_inside(path, ckpt.checkpoint_dir(self.run_dir)):
+            if is_rank_zero():
+                move_previous_run_aside(self.run_dir, f"checkpoint.resume={path} is not one of its checkpoints")
+            barrier()
         return state
 
     def restore(self, state: dict, engine: Engine, samples_seen: Callable[[int], int], spec: ModelSpec) -> None:
@@ -262,6 +268,10 @@ class Checkpointer:
 
 def _is_same(a: Path, b: Path) -> bool:
     return Path(a).resolve() == Path(b).resolve()
+
+
+def _is_inside(path: Path, directory: Path) -> bool:
+    return Path(path).resolve().is_relative_to(Path(directory).resolve())
 
 
 def _final_step(run_dir: Path) -> int | None:

@@ -150,8 +150,9 @@ PREVIOUS_RUN_FILES = ("checkpoints", "final", "servable", "metrics.jsonl", "conf
 
 
 def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:
-    """A fresh start in a run dir that holds an earlier run moves that run to `previous/<time>/`:
-    nothing is deleted, and the earlier run's checkpoints can never be mistaken for this one's."""
+    """A fresh start in a run dir that holds an earlier run, or a resume there from another run's
+    checkpoint, moves that run to `previous/<time>/`: nothing is deleted, and the earlier run's
+    checkpoints, metrics and final weights can never be mistaken for this one's."""
     run_dir = Path(run_dir)
     present = [name for name in PREVIOUS_RUN_FILES if (run_dir / name).exists()]
     if not any(name in present for name in ("checkpoints", "final", "metrics.jsonl")):
