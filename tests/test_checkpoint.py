@@ -159,6 +159,18 @@ def test_a_rollback_to_an_older_checkpoint_replaces_the_later_checkpoint_and_fin
     assert ckpt.find_latest(tmp_path) == step9, "auto resumes the new trajectory"
 
 
+def test_a_relaunch_with_nothing_left_to_do_applies_no_change_and_keeps_config_and_final(nine_steps, tmp_path):
+    shutil.copytree(nine_steps, tmp_path, dirs_exist_ok=True)
+    config, marker = (tmp_path / "config.yaml").read_text(), tmp_path / "final" / "ddptrain_model.json"
+    written = marker.stat().st_mtime_ns
+    result = train(tmp_path, "trainer.max_steps=9", "checkpoint.every=3", "checkpoint.keep=5", "optim.lr=0.01",
+                   nproc=1)
+    assert "nothing to do: this run already finished at step 9" in result.stderr, result.stderr[-3000:]
+    assert "(applied)" not in result.stderr, "no setting of this launch is used"
+    assert (tmp_path / "config.yaml").read_text() == config
+    assert marker.stat().st_mtime_ns == written, "this run's final/ of step 9 is kept"
+
+
 def test_a_resume_from_another_runs_checkpoint_moves_the_run_dirs_earlier_run_aside(nine_steps, tmp_path):
     run_dir = tmp_path / "run"
     train(run_dir, "trainer.max_steps=9", "checkpoint.every=3", "run.seed=7", nproc=1)

@@ -28,8 +28,8 @@ from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.builder import decay_steps
 from ddptrain.train.faults import FaultInjector
 from ddptrain.train.final import SPEC_FILE, final_dir, save_final, verify_final
-from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, model_defaults,
-                                   reset_learning_rate)
+from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, log_applied,
+                                   model_defaults, reset_learning_rate)
 from ddptrain.train.rundir import RunDirError, RunDirLock, RunDirLocked, move_previous_run_aside
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,9 @@ class Checkpointer:
 
     def saved_state(self) -> dict:
         """The trainer state of the checkpoint to resume from ({} for a fresh start), its config
-        checked against ours. A fresh start, or a resume from a checkpoint outside
-        run.dir/checkpoints (another run's), moves an earlier run in the run dir aside first: one run
-        dir never mixes two runs."""
+        checked against ours and its changes said (unless nothing is left to do). A fresh start, or
+        a resume from a checkpoint outside run.dir/checkpoints (another run's), moves an earlier
+        run in the run dir aside first: one run dir never mixes two runs."""
         path = ckpt.agree_on_checkpoint(self.run_dir, self.cfg.checkpoint.resume)
         if path is None:
             if is_rank_zero():
@@ -113,6 +113,8 @@ class Checkpointer:
         defaults = {**defaults_of(TrainConfig), **model_defaults(current.get("model", {}))}
         self.config_changes = check_config(state.get("config", {}), current, defaults,
                                            fingerprinted=state.get("fingerprint") is not None)
+        if state["step"] < self.last_step:  # else nothing is trained with them: not "applied"
+            log_applied(self.config_changes)
         self._held[state["step"]] = Path(path)
         if not _is_inside(path, ckpt.checkpoint_dir(self.run_dir)):
             if is_rank_zero():

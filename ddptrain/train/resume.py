@@ -11,7 +11,6 @@ the inputs (RELOCATABLE) may change where the checkpoint's fingerprint guards wh
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -19,7 +18,6 @@ from omegaconf import OmegaConf
 from ddptrain.config.schema import MODEL_SCHEMAS
 from ddptrain.train.checkpoint import CheckpointError
 
-log = logging.getLogger(__name__)
 
 MAY_CHANGE = (
     "run.dir", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_examples",
@@ -78,10 +76,14 @@ def check_config(saved: dict, current: dict, defaults: dict, fingerprinted: bool
         raise CheckpointError(f"the config differs from the checkpoint's in keys that cannot change on resume: {lines}."
                               " Resume with the checkpoint's values, or start a new run (another run.dir, or "
                               f"checkpoint.resume=none). Keys that may change: {', '.join(allowed)}")
+    return changes
+
+
+def log_applied(changes: list[tuple[str, Any, Any]]) -> None:
+    """Say each change `check_config` accepted: said only when steps remain to train with them."""
     for key, old, new in changes:
         moved = " (the same inputs elsewhere: their fingerprint is compared)" if _may_change(key, RELOCATABLE) else ""
         log.info("resume: %s changed from %r to %r (applied)%s", key, old, new, moved)
-    return changes
 
 
 def defaults_of(schema) -> dict[str, Any]:

@@ -108,7 +108,8 @@ class Trainer:
         if saved:
             self.checkpointer.restore(saved, self.engine, self.train_batches.plan.samples_seen, self.built.spec)
             self.state.load_state_dict(saved)
-        self.checkpointer.write_config()  # the launch is accepted
+        if self.step < cfg.trainer.max_steps:  # with nothing left to do, config.yaml stays what the run trained with
+            self.checkpointer.write_config()  # the launch is accepted
         self.evaluator = Evaluator(self.built.data.val, cfg.trainer.eval_examples, cfg.batch.micro_size,
                                    cfg.trainer.eval_every, cfg.trainer.max_steps, self.dist)
         peak_flops = device_peak_flops(self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops)
