@@ -11,6 +11,7 @@ the inputs (RELOCATABLE) may change where the checkpoint's fingerprint guards wh
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -18,6 +19,7 @@ from omegaconf import OmegaConf
 from ddptrain.config.schema import MODEL_SCHEMAS
 from ddptrain.train.checkpoint import CheckpointError
 
+log = logging.getLogger(__name__)
 
 MAY_CHANGE = (
     "run.dir", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_examples",
