@@ -80,15 +80,19 @@ def test_tokenizer_defaults_and_files_per_kind(tmp_path):
     hf_cfg = {"name": "hf", "path": str(model_dir)}
     hf = adapter_for(hf_cfg)
     assert hf.default_tokenizer(hf_cfg) == str(model_dir / "tokenizer.json")
-    assert hf.tokenizer_files(hf_cfg, str(model_dir / "tokenizer.json")) == [model_dir / "tokenizer.json",
-                                                                            model_dir / "tokenizer_config.json"]
-    assert hf.tokenizer_files(hf_cfg, str(other)) == [other]  # the run used another tokenizer
+    assert hf.tokenizer_files(hf_cfg, str(model_dir / "tokenizer.json")) == {
+        "tokenizer.json": model_dir / "tokenizer.json", "tokenizer_config.json": model_dir / "tokenizer_config.json"}
+    assert hf.tokenizer_files(hf_cfg, str(other)) == {"tokenizer.json": other}  # the run used another tokenizer
     (model_dir / "tokenizer.json").unlink()
     assert hf.default_tokenizer(hf_cfg) is None
     gpt = adapter_for(GPT_CFG)
     assert gpt.default_tokenizer(GPT_CFG) is None
-    assert gpt.tokenizer_files(GPT_CFG, "byte") == [] and gpt.tokenizer_files(GPT_CFG, None) == []
-    assert gpt.tokenizer_files(GPT_CFG, str(other)) == [other]
+    assert gpt.tokenizer_files(GPT_CFG, "byte") == {} and gpt.tokenizer_files(GPT_CFG, None) == {}
+    assert gpt.tokenizer_files(GPT_CFG, str(other)) == {"tokenizer.json": other}  # final/ names it tokenizer.json
+    for name in ("tokenizer_config.json", "chat_template.jinja", "vocab.json"):  # its companions beside it go too
+        (tmp_path / name).write_text("{}")
+    assert gpt.tokenizer_files(GPT_CFG, str(other)) == {"tokenizer.json": other, **{
+        name: tmp_path / name for name in ("tokenizer_config.json", "chat_template.jinja")}}
 
 
 def test_check_model_refuses_packing_and_a_too_long_context(tmp_path):
@@ -135,7 +139,7 @@ def test_save_final_loads_back_with_equal_weights(model_cfg, tmp_path):
     if spec.kind == "gpt":
         assert spec.tied and loaded.head.weight is loaded.tok_emb.weight  # stored once, tied again on load
 
-    save_final(tmp_path / "run", model, model.state_dict(), spec, step=7, tokenizer_files=[])
+    save_final(tmp_path / "run", model, model.state_dict(), spec, step=7, tokenizer_files={})
     through_run_dir = load_model(tmp_path / "run")
     assert not through_run_dir.training
     assert all(torch.equal(through_run_dir.state_dict()[name], tensor) for name, tensor in model.state_dict().items())

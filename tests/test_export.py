@@ -16,7 +16,7 @@ import ddptrain
 from ddptrain.export import ExportError, export, main
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.models.convert import gpt_to_hf
-from tests.helpers import REPO, TINY_RUN, import_optional, run_cli
+from tests.helpers import REPO, TINY_RUN, import_optional, run_cli, save_bpe_tokenizer
 
 transformers = import_optional("transformers")
 
@@ -214,3 +214,20 @@ def test_an_out_dir_that_cannot_be_made_is_a_clear_error(tmp_path, monkeypatch, 
     assert exit_info.value.code == 2
     assert f"export error: cannot write {tmp_path / 'afile' / 'out'}" in capsys.readouterr().err
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_tokenizer_of_any_name_is_final_tokenizer_json_and_is_exported_and_served(tmp_path):
+    from ddptrain.serving.servable import servable_dir
+
+    (tmp_path / "tok").mkdir()
+    tokenizer = save_bpe_tokenizer(tmp_path / "tok" / "code_bpe.json")
+    run_dir = tmp_path / "run"
+    result = run_cli([*TINY_RUN, f"data.tokenizer={tokenizer}", "trainer.max_steps=1", "batch.global_size=4",
+                      "batch.micro_size=4", "batch.seq_len=32", f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "final").glob("*.json")) == ["ddptrain_model.json", "tokenizer.json"]
+    assert (run_dir / "final" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    export(run_dir, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    assert (servable_dir(run_dir) / "tokenizer.json").read_bytes() == tokenizer.read_bytes()

@@ -45,13 +45,13 @@ LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _base_dir(path, seed: int = 0):
-    """A tiny "pretrained" Llama: random weights, saved with save_pretrained."""
+def _base_dir(path, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A tiny "pretrained" Llama: random weights, saved with save_pretrained (in `dtype`)."""
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(path)
     return path
 
 
@@ -185,7 +185,7 @@ def _finished_run(tmp_path):
     base = _base_dir(tmp_path / "base")
     model, spec, engine, _ = _trained(base)
     run_dir = tmp_path / "run"
-    save_final(run_dir, model, engine.model_state_dict(trainable_only=True), spec, 3, [])
+    save_final(run_dir, model, engine.model_state_dict(trainable_only=True), spec, 3, {})
     return base, run_dir, model
 
 
@@ -215,10 +215,27 @@ def test_merged_export_is_a_plain_transformers_model_with_the_same_logits(tmp_pa
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
 
 
+def test_a_bf16_base_loads_and_merges_in_fp32_the_dtype_it_trained_in(tmp_path):
+    base = _base_dir(tmp_path / "base", dtype=torch.bfloat16)
+    assert json.loads((base / "config.json").read_text())["dtype"] == "bfloat16"
+    model, spec, engine, _ = _trained(base)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # training loads the base in fp32
+    run_dir = tmp_path / "run"
+    save_final(run_dir, model, engine.model_state_dict(trainable_only=True), spec, 3, {})
+    loaded = ddptrain.load_model(run_dir)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    model.eval()
+    assert torch.equal(_logits(loaded), _logits(model))  # the module that trained
+    export(run_dir, tmp_path / "merged", merge=True)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="auto")
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    assert torch.allclose(_logits(merged), _logits(model), rtol=0, atol=1e-5)
+
+
 def test_merge_changes_nothing_for_a_run_that_trained_every_weight(tmp_path):
     base = _base_dir(tmp_path / "base")
     model, spec = HFAdapter().build(_model_cfg(base, r=0), 256, SEQ)
-    save_final(tmp_path / "run", model, model.state_dict(), spec, 1, [])
+    save_final(tmp_path / "run", model, model.state_dict(), spec, 1, {})
     export(tmp_path / "run", tmp_path / "merged", merge=True)
     export(tmp_path / "run", tmp_path / "plain")
     merged, plain = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name) for name in ("merged", "plain"))
@@ -317,6 +334,8 @@ def test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits(tmp_path):
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert torch.allclose(_logits(merged), _logits(ddptrain.load_model(run_dir)), rtol=0, atol=1e-5)
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)  # generation stops at end of turn and at EOS
+    assert merged.generation_config.eos_token_id == sorted(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<eos>"]))
 
 
 @pytest.mark.slow

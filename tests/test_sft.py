@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import ddptrain
 from ddptrain.config import DataConfig
 from ddptrain.config.compose import compose_config
 from ddptrain.config.schema import ConfigError
@@ -350,6 +351,13 @@ def test_a_conversation_without_an_assistant_turn_is_skipped_counted_and_warned(
            f"{tmp_path / 'c.jsonl'}:4" in caplog.text
 
 
+@pytest.mark.parametrize("template", [MARKED, PLAIN, None], ids=["marked", "plain", "no template"])
+def test_generation_stops_at_eos_and_at_the_end_of_turn_token_the_mask_trains(tmp_path, template):
+    tokenizer = ChatTokenizer(str(_tokenizer_dir(tmp_path / "tok", template) / "tokenizer.json"))
+    eos, end_of_turn = (tokenizer.tokenizer.convert_tokens_to_ids(t) for t in ("<eos>", "<|im_end|>"))
+    assert tokenizer.stop_ids() == (sorted({eos, end_of_turn}) if template else [eos])
+
+
 def test_sft_needs_a_real_tokenizer_with_eos_and_a_template_for_chats(tmp_path):
     with pytest.raises(DataError, match="data=sft needs a real tokenizer with an EOS token, not the byte tokenizer"):
         ChatTokenizer("byte")
@@ -529,3 +537,39 @@ def test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume(tmp_p
     final = tmp_path / "1x8" / "final"
     assert (final / "chat_template.jinja").read_text() == (model_dir / "chat_template.jinja").read_text()
     assert transformers.AutoTokenizer.from_pretrained(final).eos_token == "<eos>"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given_template", [False, True], ids=["the tokenizer's template", "data.chat_template"])
+def test_a_chat_run_keeps_its_template_and_end_of_turn_in_final_export_and_serving(tmp_path, given_template):
+    from ddptrain.serving.chat import ChatTemplate
+    from ddptrain.serving.generate import Generator
+    from ddptrain.serving.servable import servable_dir
+
+    import_optional("fastapi")
+    directory = _tokenizer_dir(tmp_path / "tok", PLAIN if given_template else MARKED)
+    options = []
+    if given_template:  # the template trained on is MARKED, not the tokenizer's own
+        (tmp_path / "marked.jinja").write_text(MARKED)
+        options.append(f"data.chat_template={tmp_path / 'marked.jinja'}")
+    run_dir = tmp_path / "run"
+    result = run_cli(["data=sft", f"data.paths=[{_write_jsonl(tmp_path / 'c.jsonl', _chats(60))}]",
+                      f"data.tokenizer={directory / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'cache'}",
+                      "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "trainer.max_steps=3",
+                      f"batch.seq_len={SEQ}", "batch.global_size=8", "trainer.eval_examples=4", *options,
+                      f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = run_dir / "final"
+    assert (final / "chat_template.jinja").read_text() == MARKED
+    assert (final / "tokenizer_config.json").read_bytes() == (directory / "tokenizer_config.json").read_bytes()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    stops = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})  # end of turn, EOS
+    assert ddptrain.load_model(run_dir).eos_token_id == stops
+
+    served = servable_dir(run_dir)  # the export of the run, as serving reads it
+    template = ChatTemplate.load(served)
+    assert template.is_available, template.unavailable
+    messages = [{"role": "user", "content": "hello there"}]
+    assert template.render(messages) == tokenizer.apply_chat_template(messages, chat_template=MARKED, tokenize=True,
+                                                                      add_generation_prompt=True, return_dict=False)
+    assert Generator(served, device="cpu").eos_token_ids == set(stops)

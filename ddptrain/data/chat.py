@@ -100,6 +100,21 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def stop_ids(self) -> list[int]:
+        """The tokens that end what the model is trained to write, for generation to stop at: EOS (the
+        end of a completion) and the end-of-turn token of an assistant message, the last target of a
+        one-exchange conversation when it is a special token (as the mask decides it, below)."""
+        ids = {self.eos_id}
+        probe = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"}]
+        try:
+            tokens, mask = self.conversation("the end-of-turn probe", probe, 0) if self.template else ([], [])
+        except DataError:  # a template that needs other messages: EOS alone
+            tokens, mask = [], []
+        targets = [token for token, is_target in zip(tokens, mask) if is_target]
+        if targets and targets[-1] in self.special_ids:
+            ids.add(targets[-1])
+        return sorted(ids)
+
     # -- prompt-completion strings -------------------------------------------------------------------
 
     def prompt_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:

@@ -95,9 +95,10 @@ class ModelAdapter:
         compares key by key), for the run's fingerprint: nothing, but for model=hf."""
         return {}
 
-    def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> list[Path]:
-        """What final/ needs to tokenize like this run: data.tokenizer's json, none for bytes."""
-        return [Path(tokenizer).expanduser()] if tokenizer not in (None, "byte") else []
+    def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> dict[str, Path]:
+        """What final/ needs to tokenize like this run, by its name there: data.tokenizer as
+        tokenizer.json and its companions beside it (`tokenizer_beside`); nothing for bytes."""
+        return tokenizer_beside(tokenizer)
 
     def save_final(self, module: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path,
                    spec: ModelSpec) -> None:
@@ -134,6 +135,12 @@ class GPTAdapter(ModelAdapter):
     def _new_module(self, config: dict, vocab_size: int, seq_len: int) -> GPT:
         fields = {key: value for key, value in config.items() if key != "name"}
         return GPT(GPTConfig(vocab_size=vocab_size, max_seq_len=seq_len, **fields))
+
+    def load_final(self, directory: Path, spec: ModelSpec) -> GPT:
+        """The GPT with the tokens that end its turns (final/generation_config.json), for its export."""
+        model = super().load_final(directory, spec)
+        model.eos_token_id = generation_eos(directory)
+        return model
 
     def use_attention(self, model: nn.Module, backend: str, forced: bool) -> str:
         backend = attention.without_dropout(backend, model.cfg.dropout, forced)
@@ -216,13 +223,14 @@ class HFAdapter(ModelAdapter):
         config = json.loads((Path(model_cfg["path"]).expanduser() / "config.json").read_text())
         return {key: value for key, value in config.items() if key not in ("_name_or_path", "transformers_version")}
 
-    def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> list[Path]:
-        """The model directory's tokenizer files, unless the run used another tokenizer.json."""
+    def tokenizer_files(self, model_cfg: Mapping, tokenizer: str | None) -> dict[str, Path]:
+        """The model directory's tokenizer files, unless the run used another tokenizer (then that one
+        as tokenizer.json, with its companions)."""
         source = Path(model_cfg["path"]).expanduser()
         if tokenizer not in (None, "byte") and \
                 Path(tokenizer).expanduser().resolve() != (source / "tokenizer.json").resolve():
-            return [Path(tokenizer).expanduser()]
-        return [source / name for name in hf.TOKENIZER_FILES if (source / name).is_file()]
+            return tokenizer_beside(tokenizer)
+        return {name: source / name for name in hf.TOKENIZER_FILES if (source / name).is_file()}
 
     def save_final(self, module: nn.Module, state_dict: dict[str, torch.Tensor], directory: Path,
                    spec: ModelSpec) -> None:
@@ -234,7 +242,11 @@ class HFAdapter(ModelAdapter):
 
     def load_final(self, directory: Path, spec: ModelSpec) -> nn.Module:
         if lora.is_enabled(spec.config):  # what PeftModel.from_pretrained(base, final) gives
-            model = lora.load_adapter(self._base(spec, directory), directory)
+            base = self._base(spec, directory)
+            eos = generation_eos(directory)  # final/'s, where the run's data says which tokens end a turn
+            if eos is not None:
+                base.generation_config.eos_token_id = eos
+            model = lora.load_adapter(base, directory)
             model.config.use_cache = True
             return model
         return hf.load_pretrained_dir(directory)
@@ -250,10 +262,11 @@ class HFAdapter(ModelAdapter):
 
     @staticmethod
     def _base(spec: ModelSpec, what) -> nn.Module:
-        """model.path's base weights, as stored (transformers' dtype="auto"), the same ones the run trained over."""
+        """model.path's base weights, the same ones the run trained over, in fp32 as the run trained
+        them (hf.load_causal_lm): a base stored in bf16 gives the trained module, and merges in fp32."""
         path = Path(spec.config["path"]).expanduser()
         try:
-            base = hf.load_pretrained_dir(path)
+            base = hf.load_pretrained_dir(path, dtype=torch.float32)
         except (OSError, ValueError) as error:
             raise ModelError(f"{what} is a LoRA adapter over model.path={path}, which cannot be loaded: "
                              f"{str(error).splitlines()[0]}") from None
@@ -379,6 +392,29 @@ def resolve_target(target: str):
     except (ImportError, AttributeError) as error:
         raise ModelError(f"model._target_={target!r} cannot be imported: {error} "
                          "(is its package on PYTHONPATH / installed?)") from None
+
+
+def tokenizer_beside(tokenizer: str | None) -> dict[str, Path]:
+    """data.tokenizer as final/'s tokenizer.json, whatever its own name (export and serving read that
+    name), and the companions beside it that transformers' AutoTokenizer reads with it (EOS,
+    special tokens, chat template: hf.TOKENIZER_COMPANIONS); nothing for the byte tokenizer."""
+    if tokenizer in (None, "byte"):
+        return {}
+    file = Path(tokenizer).expanduser()
+    companions = {name: file.parent / name for name in hf.TOKENIZER_COMPANIONS if (file.parent / name).is_file()}
+    return {"tokenizer.json": file, **companions}
+
+
+GENERATION_CONFIG = "generation_config.json"
+"""transformers' generation settings, where final/ records the tokens that end what the model writes."""
+
+
+def generation_eos(directory: Path) -> int | list[int] | None:
+    """eos_token_id of `directory`'s generation_config.json (None: no file, or none in it)."""
+    try:
+        return json.loads((directory / GENERATION_CONFIG).read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], spec: ModelSpec, source: Path) -> None:

@@ -34,10 +34,11 @@ def gpt_to_hf(model: GPT) -> GPT2LMHeadModel:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
         scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
         tie_word_embeddings=is_tied,
-        # Token ids are bytes (or a tokenizer's ids) with no reserved BOS/EOS: GPT-2's 50256 would be out
-        # of range. pad_token_id stays None as well: with a pad id, generate() infers the attention
-        # mask from input_ids != pad and would silently mask every real occurrence of that byte.
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        # Token ids are bytes (or a tokenizer's ids) with no reserved BOS: GPT-2's 50256 would be out of
+        # range. EOS is the model's own (a data=sft run's EOS and end-of-turn token), else none. pad_token_id
+        # stays None as well: with a pad id, generate() infers the attention mask from input_ids != pad
+        # and would silently mask every real occurrence of that byte.
+        bos_token_id=None, eos_token_id=model.eos_token_id, pad_token_id=None,
     )
     dtype = model.tok_emb.weight.dtype
     hf_model = GPT2LMHeadModel(hf_config).to(dtype)

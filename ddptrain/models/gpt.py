@@ -85,6 +85,9 @@ class GPT(nn.Module):
         self.activation_checkpointing = cfg.activation_checkpointing
         self.attention_backend = "gather"
         """Packed rows' attention (trainer.attention, resolved): gather | varlen | flex | mask."""
+        self.eos_token_id: int | list[int] | None = None
+        """The token(s) that end what it writes (data=sft: EOS and the end-of-turn token), for its export's
+        generation config; not the architecture's (load_model sets it from final/generation_config.json)."""
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)

@@ -37,6 +37,8 @@ PACKED_ATTENTION = "ddptrain_packed"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+"""What transformers' AutoTokenizer reads beside a tokenizer.json: EOS and other special tokens, the chat template."""
 
 
 def _transformers():
@@ -98,10 +100,10 @@ def from_config_dict(config: dict) -> nn.Module:
     return model
 
 
-def load_pretrained_dir(directory: Path) -> nn.Module:
-    """A save_pretrained directory (final/), in the dtype it was saved in."""
+def load_pretrained_dir(directory: Path, dtype: torch.dtype | str = "auto") -> nn.Module:
+    """A save_pretrained directory (final/), in the dtype it was saved in (or `dtype`)."""
     transformers = _transformers()
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype="auto")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
     return model
 
 

@@ -5,7 +5,12 @@
     final/
         model.safetensors      the weights (tied aliases stored once)
         ddptrain_model.json    ModelSpec: what rebuilds the module, and the step
-        tokenizer.json ...     the tokenizer the run used, when it was a tokenizer.json
+        tokenizer.json         data.tokenizer, whatever its own name (model=hf: model.path's tokenizer files)
+        tokenizer_config.json  ... and the companions beside it that transformers reads with it
+        chat_template.jinja    (special_tokens_map.json, added_tokens.json): EOS, special tokens, chat
+                               template; data.chat_template, when set, is saved as chat_template.jinja
+        generation_config.json data=sft: eos_token_id, the tokens the run taught the model to end with
+                               (EOS, and the chat template's end-of-turn token); model=hf: save_pretrained's
         config.json ...        model=hf: the directory is exactly a transformers save_pretrained one
 
 It is written under a temporary name and renamed into place, so a reader sees the old or the new
@@ -20,12 +25,13 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ddptrain.models.adapters import WEIGHTS_FILE, adapter_of, load_weights
+from ddptrain.models.adapters import GENERATION_CONFIG, WEIGHTS_FILE, adapter_of, load_weights
 from ddptrain.models.spec import ModelSpec
 from ddptrain.fsutil import replace_dir, sha256_file
 from ddptrain.train import checkpoint as ckpt
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 
 FINAL = "final"
 SPEC_FILE = "ddptrain_model.json"
+CHAT_TEMPLATE = "chat_template.jinja"
 # WEIGHTS_FILE, model.safetensors, is imported from the adapters: they write and read it.
 
 
@@ -42,8 +49,10 @@ def final_dir(run_dir: str | Path) -> Path:
 
 
 def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, torch.Tensor], spec: ModelSpec,
-               step: int, tokenizer_files: list[Path], checkpoint_sha256: str | None = None) -> Path:
+               step: int, tokenizer_files: Mapping[str, Path], checkpoint_sha256: str | None = None) -> Path:
     """Write `final/` (rank 0). `module` is the unwrapped model (for model=hf its save_pretrained);
+    `tokenizer_files`: name in final/ -> source (ModelAdapter.tokenizer_files). The chat template and
+    the end-of-turn tokens come from the run's data section (RUN_DIR/config.yaml, when there is one).
     `checkpoint_sha256`, the sha256 of the COMPLETE.json of the checkpoint these weights are, tells
     a later launch at this step whether final/ is its run's (Checkpointer.final_is_current)."""
     final = final_dir(run_dir)
@@ -52,8 +61,9 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
         shutil.rmtree(tmp)  # left by a run killed while writing
     tmp.mkdir(parents=True)
     adapter_of(spec).save_final(module, state_dict, tmp, spec)
-    for file in tokenizer_files:
-        shutil.copy2(file, tmp / file.name)
+    for name, file in dict(tokenizer_files).items():
+        shutil.copy2(file, tmp / name)
+    _save_chat_files(tmp, _run_data(Path(run_dir)))
     digests = {str(path.relative_to(tmp)): sha256_file(path) for path in sorted(tmp.rglob("*")) if path.is_file()}
     source = {"checkpoint_sha256": checkpoint_sha256} if checkpoint_sha256 is not None else {}
     (tmp / SPEC_FILE).write_text(json.dumps({**spec.to_dict(), "step": step, **source, "sha256": digests}, indent=1))
@@ -65,6 +75,43 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
     replace_dir(tmp, final, aside=old)  # one atomic exchange where the OS can
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _run_data(run_dir: Path) -> dict:
+    """The `data` section of RUN_DIR/config.yaml, the resolved config the run was launched with ({}
+    without one: save_final called outside a run)."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.select(OmegaConf.load(config), "data", default=None)
+    return OmegaConf.to_container(data, resolve=True) if data is not None else {}
+
+
+def _save_chat_files(directory: Path, data: Mapping) -> None:
+    """What chatting like the run needs beside its tokenizer in `directory`: data.chat_template (the
+    template it trained on, which the tokenizer's own may not be) as chat_template.jinja, and for
+    data=sft the tokens it learnt to end with (ChatTokenizer.stop_ids) in generation_config.json's
+    eos_token_id, where transformers' generation and ddptrain's serving stop."""
+    if data.get("chat_template"):
+        shutil.copy2(Path(data["chat_template"]).expanduser(), directory / CHAT_TEMPLATE)
+    if data.get("name") != "sft" or not (directory / "tokenizer.json").is_file():
+        return
+    from ddptrain.data.chat import ChatTokenizer
+    from ddptrain.data.sources import DataError
+
+    try:  # the files just saved, as serving reads them
+        stop = ChatTokenizer(str(directory / "tokenizer.json")).stop_ids()
+    except DataError as error:
+        log.warning("final/ records no end-of-turn token, so generation stops at max_tokens only: %s", error)
+        return
+    file = directory / GENERATION_CONFIG
+    config = json.loads(file.read_text()) if file.is_file() else {}  # model=hf: save_pretrained's
+    eos = config.get("eos_token_id")
+    eos = sorted({*([] if eos is None else eos if isinstance(eos, list) else [eos]), *stop})
+    config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def verify_final(directory: Path) -> dict:
