@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -46,13 +47,13 @@ UNSPLITTABLE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + 
 SEQ = 128
 
 
-def _tokenizer_dir(directory, template: str | None = MARKED):
+def _tokenizer_dir(directory, template: str | None = MARKED, special: list[str] = SPECIAL):
     """A BPE tokenizer trained here (no hub), as transformers saves it: tokenizer.json, tokenizer_config.json
-    (EOS <eos>) and chat_template.jinja."""
+    (EOS <eos>) and chat_template.jinja; `special`: its special (added) tokens."""
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIAL,
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=700, special_tokens=special,
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     corpus = [" ".join(WORDS), "system\nuser\nassistant\n"] + [" ".join(random.Random(i).sample(WORDS, 12))
                                                                for i in range(300)]
@@ -356,6 +357,29 @@ def test_generation_stops_at_eos_and_at_the_end_of_turn_token_the_mask_trains(tm
     tokenizer = ChatTokenizer(str(_tokenizer_dir(tmp_path / "tok", template) / "tokenizer.json"))
     eos, end_of_turn = (tokenizer.tokenizer.convert_tokens_to_ids(t) for t in ("<eos>", "<|im_end|>"))
     assert tokenizer.stop_ids() == (sorted({eos, end_of_turn}) if template else [eos])
+
+
+@pytest.mark.parametrize("template", [MARKED, PLAIN], ids=["marked", "plain"])
+def test_chatml_on_a_tokenizer_without_its_markers_as_tokens_is_refused_naming_the_marker(tmp_path, template):
+    """<|im_end|> as plain text would be trained as pieces and never stop generation: refused before any
+    conversation is preprocessed, naming the marker, the tokenizer and the rule. Prompt-completion strings,
+    which the template does not render, still train; stop_ids falls back to EOS."""
+    directory = _tokenizer_dir(tmp_path / "tok", template, special=["<eos>"])
+    tokenizer = ChatTokenizer(str(directory / "tokenizer.json"))
+    assert len(tokenizer.encode("<|im_end|>")) > 1
+    file = re.escape(str(directory / "tokenizer.json"))
+    rule = (rf"the chat template of {file} ends an assistant turn with '<\|im_end\|>', which the tokenizer {file} "
+            r"splits into \d+ tokens .*: the template's turn markers must each be one token of the tokenizer")
+    with pytest.raises(DataError, match=rule):
+        _load(tmp_path, _chats(6), directory, seq_len=512)
+    (tmp_path / "chatml.jinja").write_text(template)
+    with pytest.raises(DataError, match=r"the chat template data.chat_template=.*chatml.jinja ends an assistant turn "
+                                        r"with '<\|im_end\|>'"):
+        _load(tmp_path, _chats(6), _tokenizer_dir(tmp_path / "plain", None, special=["<eos>"]), seq_len=512,
+              chat_template=str(tmp_path / "chatml.jinja"))
+    pairs = [{"prompt": _sentence(random.Random(i), 2, 6), "completion": "fine thanks"} for i in range(4)]
+    assert len(_load(tmp_path, pairs, directory).train) > 0
+    assert tokenizer.stop_ids() == [tokenizer.eos_id]
 
 
 def test_sft_needs_a_real_tokenizer_with_eos_and_a_template_for_chats(tmp_path):

@@ -14,6 +14,9 @@ chat_template.jinja or tokenizer_config.json), or `data.chat_template=PATH` inst
   rendered with `add_generation_prompt`) and ends at its end-of-turn token, the last special
   token of the span (a separator after it, like ChatML's newline, is not a target). A template
   that cannot be split this way is refused, naming the conversation and the message.
+- Either way the end-of-turn marker, what the template writes right after an assistant message's
+  content (`<|im_end|>`, `<|eot_id|>`), must be one token of the tokenizer: split into pieces it
+  would be trained as text and generation could not stop at it. The first conversation checks it.
 - Prompt-completion strings, with or without a template: prompt tokens (with the tokenizer's own
   special tokens, e.g. BOS), completion tokens, then EOS; the completion and EOS are the targets.
 """
@@ -30,6 +33,8 @@ from ddptrain.data.sources import DataError
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+_PROBE = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"}]
+"""A one-exchange conversation whose rendering shows the template's end-of-turn marker."""
 _NO_SPLIT_HINT = "give a template that marks assistant text with {% generation %} (data.chat_template=PATH)"
 
 
@@ -71,6 +76,8 @@ class ChatTokenizer:
             raise DataError(f"data.tokenizer: {self.path} has no EOS token (eos_token in tokenizer_config.json): "
                             "data=sft ends every completion with it")
         self.template = self._template(chat_template)
+        self.template_source = f"data.chat_template={chat_template}" if chat_template else f"of {self.path}"
+        self._end_of_turn_checked = False
         self.has_generation_markers = bool(self.template and _GENERATION.search(self.template))
         self.vocab_size = len(self.tokenizer)
         self.name = str(self.path)
@@ -105,9 +112,8 @@ class ChatTokenizer:
         end of a completion) and the end-of-turn token of an assistant message, the last target of a
         one-exchange conversation when it is a special token (as the mask decides it, below)."""
         ids = {self.eos_id}
-        probe = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"}]
         try:
-            tokens, mask = self.conversation("the end-of-turn probe", probe, 0) if self.template else ([], [])
+            tokens, mask = self.conversation("the end-of-turn probe", _PROBE, 0) if self.template else ([], [])
         except DataError:  # a template that needs other messages: EOS alone
             tokens, mask = [], []
         targets = [token for token, is_target in zip(tokens, mask) if is_target]
@@ -130,6 +136,9 @@ class ChatTokenizer:
         if self.template is None:
             raise DataError(f"{name}: the tokenizer {self.path} has no chat template (chat_template.jinja or "
                             "tokenizer_config.json), needed for conversations; give data.chat_template=PATH")
+        if not self._end_of_turn_checked:
+            self._check_end_of_turn()
+            self._end_of_turn_checked = True
         if self.has_generation_markers:
             rendered = self._apply(name, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
@@ -139,6 +148,29 @@ class ChatTokenizer:
                 mask[:start] = [0] * start
             return ids, mask
         return self._split_by_prefixes(name, messages, first_target)
+
+    def _check_end_of_turn(self) -> None:
+        """Refuse a template whose end-of-turn marker (the first text after an assistant message's content,
+        whitespace aside) the tokenizer splits into several tokens: ChatML on a tokenizer without
+        `<|im_end|>` as an added token. A template that writes nothing there, or cannot render the probe
+        (it needs other messages), has no marker to check."""
+        try:
+            text = self._apply("the end-of-turn probe", _PROBE)
+        except DataError:
+            return
+        content = _PROBE[-1]["content"]
+        at = text.rfind(content)
+        after = text[at + len(content):].split() if at >= 0 else []
+        if not after:
+            return
+        marker, ids = after[0], self.encode(after[0])
+        if len(ids) != 1:
+            raise DataError(f"the chat template {self.template_source} ends an assistant turn with {marker!r}, which "
+                            f"the tokenizer {self.path} splits into {len(ids)} tokens {ids}: the template's turn "
+                            "markers must each be one token of the tokenizer (the end-of-turn token is a target and "
+                            f"where generation stops); add {marker!r} to the tokenizer as a special token "
+                            "(tokenizer.add_special_tokens), or give a template written for this tokenizer "
+                            "(data.chat_template=PATH)")
 
     def _apply(self, name: str, messages: list[dict], **kwargs):
         try:
