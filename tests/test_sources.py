@@ -82,6 +82,37 @@ def test_jsonl_lines_are_documents_of_the_field(tmp_path):
     assert {d.decode() for d in _docs(data.val)} == expected_val and expected_val
 
 
+def test_blank_jsonl_lines_and_whitespace_only_text_files_are_no_documents(tmp_path, caplog):
+    """A blank line is no JSON Lines record: not a document, not a too-short one, and not one of
+    data.max_docs; the other lines keep their names (file:line), so their split is the one of the hash.
+    A text file of nothing but whitespace holds no document either (per file or per paragraph)."""
+    rows = [{"text": f"row {i} " * 3} for i in range(40)]
+    blanks = ["", "   ", "\t", "\r"]
+    lines, numbers = [], []  # the file's lines, and the line number of each row
+    for i, row in enumerate(rows):
+        lines.append(json.dumps(row))
+        numbers.append(len(lines))
+        if i % 3 == 0:
+            lines.append(blanks[i % len(blanks)])
+    path = _write(tmp_path, "a.jsonl", ("\n".join(lines) + "\n").encode())
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        data = _load(tmp_path, "jsonl", [path], field="text", val_percent=20.0, max_docs=30)
+    assert data.train.documents + data.val.documents == 30, "data.max_docs counts documents, not blank lines"
+    assert sorted(_docs(data.train) + _docs(data.val)) == sorted(r["text"].encode() for r in rows[:30])
+    expected_val = {rows[i]["text"].encode() for i in range(30) if sources.is_validation(f"a.jsonl:{numbers[i]}", 20.0)}
+    assert set(_docs(data.val)) == expected_val and expected_val
+    assert "shorter than 2 tokens" not in caplog.text
+    caplog.clear()
+    texts = [_write(tmp_path, "blank.txt", b"  \n\n \t\n"), _write(tmp_path, "book.txt", b"one here\n\ntwo here\n"),
+             _write(tmp_path, "empty.txt", b""), _write(tmp_path, "note.txt", b"three")]
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        per_file = _load(tmp_path, "text", texts, val_percent=0.0)
+        per_paragraph = _load(tmp_path, "text", texts, split_by="paragraph", val_percent=0.0)
+    assert sorted(_docs(per_file.train) + _docs(per_file.val)) == [b"one here\n\ntwo here\n", b"three"]
+    assert sorted(_docs(per_paragraph.train) + _docs(per_paragraph.val)) == [b"one here", b"three", b"two here"]
+    assert "shorter than 2 tokens" not in caplog.text
+
+
 def test_the_split_is_the_same_however_the_corpus_is_spelled_or_wherever_it_is_moved(tmp_path, monkeypatch):
     """The hash split reads names relative to the sources' directory: relative paths from one working
     directory, absolute ones, and a copy of the corpus elsewhere all put the same documents in validation."""

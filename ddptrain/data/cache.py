@@ -37,9 +37,10 @@ from ddptrain.fsutil import fsync_file, pid_is_running
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 """2: the hash split reads names relative to the sources' directory (SplitNames); 3: a tokenizer.json's
-saved truncation and padding are switched off (ddptrain.data.tokenizer.HFTokenizer)."""
+saved truncation and padding are switched off (ddptrain.data.tokenizer.HFTokenizer); 4: blank JSONL
+lines and whitespace-only text files are no documents (data.max_docs and the short count skip them)."""
 _META = "meta.json"
 
 

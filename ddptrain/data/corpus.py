@@ -152,6 +152,9 @@ def _documents(data_cfg, train_files, val_files, hf_cache, progress,
         else:
             stream = hf_documents(files, data_cfg.field, "validation" if validation else "train", hf_cache)
         for name, payload, read in stream:
+            if payload is None:  # a blank JSONL line or whitespace-only file: no document, not counted
+                progress.update(read)
+                continue
             if data_cfg.max_docs is not None and count >= data_cfg.max_docs:
                 break
             progress.update(read)

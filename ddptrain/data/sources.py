@@ -158,17 +158,18 @@ def read_bytes(path: Path) -> bytes:
         return path.read_bytes()
 
 
-def text_documents(files: list[Path], split_by: str = "file") -> Iterator[tuple[str, bytes, int]]:
-    """(name, bytes, bytes read): one document per file, or per blank-line-separated paragraph."""
+def text_documents(files: list[Path], split_by: str = "file") -> Iterator[tuple[str, bytes | None, int]]:
+    """(name, bytes, bytes read): one document per file, or per blank-line-separated paragraph; None
+    for a file of nothing but whitespace, which holds no document."""
     for path in files:
         data = read_bytes(path)
-        if split_by == "paragraph":
+        if not data.strip():
+            yield str(path), None, len(data)
+        elif split_by == "paragraph":
             pieces = [p.strip() for p in _BLANK_LINES.split(data)]
             pieces = [p for p in pieces if p]
             for index, piece in enumerate(pieces):
                 yield f"{path}#{index}", piece, len(data) if index == len(pieces) - 1 else 0
-            if not pieces:
-                yield str(path), b"", len(data)
         else:
             yield str(path), data, len(data)
 
@@ -195,11 +196,13 @@ def jsonl_records(files: list[Path], decoder: TextDecoder | None = None) -> Iter
                 yield name, record, len(raw)
 
 
-def jsonl_documents(files: list[Path], field: str, decoder: TextDecoder | None = None) -> Iterator[tuple[str, str, int]]:
-    """(file:line, text, bytes read): one document per non-blank line, the string at `field`."""
+def jsonl_documents(files: list[Path], field: str,
+                    decoder: TextDecoder | None = None) -> Iterator[tuple[str, str | None, int]]:
+    """(file:line, text, bytes read): one document per non-blank line, the string at `field`; None for
+    a blank line, which is no record (the JSON Lines convention): no document, not counted."""
     for name, record, read in jsonl_records(files, decoder):
         if record is None:
-            yield name, "", read  # counted as a too-short document
+            yield name, None, read
             continue
         if field not in record:
             raise DataError(f"{name}: no field {field!r} (data.field); the line has {sorted(record)}")
