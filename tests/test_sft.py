@@ -300,6 +300,25 @@ def test_the_cache_keeps_the_mask_and_its_key_has_tokenizer_and_template(tmp_pat
     assert len(entries()) == 4
 
 
+def test_the_cache_key_has_the_tokenizers_config_json_and_the_tokenizers_version(tmp_path, monkeypatch):
+    """AutoTokenizer reads config.json beside the tokenizer (its model_type picks the tokenizer class), and
+    the `tokenizers` release does the cutting: a change of either is a new entry, never the old one reused."""
+    directory = _tokenizer_dir(tmp_path / "tok")
+    path = _write_jsonl(tmp_path / "c.jsonl", _chats(10, seed=5))
+
+    def load():
+        load_splits(_cfg(tmp_path, [path], directory, val_percent=0.0), SEQ)
+        return {p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()}
+
+    assert len(load()) == 1 and len(load()) == 1
+    before = type(ChatTokenizer(str(directory / "tokenizer.json")).tokenizer)
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert type(ChatTokenizer(str(directory / "tokenizer.json")).tokenizer) is not before, "config.json is read"
+    assert len(load()) == 2
+    monkeypatch.setattr(tokenizers, "__version__", tokenizers.__version__ + ".next")
+    assert len(load()) == 3
+
+
 # -- bad input: the table in docs/data.md --------------------------------------------------------
 
 USER = {"role": "user", "content": "hello"}

@@ -220,6 +220,28 @@ def test_a_tokenizer_saved_with_truncation_or_padding_still_tokenizes_documents_
         assert data.train.lengths.sum() == plain.train.lengths.sum(), setting
 
 
+def test_a_tokenizers_release_gets_its_own_cache_entry_and_the_run_still_resumes(tmp_path, monkeypatch):
+    """Another `tokenizers` release may cut the same text differently: its cache key differs, so the
+    corpus is tokenized again, not read from the entry the old release built. The resume fingerprint
+    holds no version (a library upgrade still resumes). The release stands in as its version string."""
+    tokenizers = import_optional("tokenizers")
+    rows = [{"text": " ".join(f"w{i}x{j}" for j in range(20))} for i in range(12)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = _hf_tokenizer(tmp_path, [r["text"] for r in rows])
+
+    def entries():
+        return {p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()}
+
+    first = _load(tmp_path, "jsonl", [path], field="text", tokenizer=spec)
+    _load(tmp_path, "jsonl", [path], field="text", tokenizer=spec)
+    assert len(entries()) == 1, "the same release reuses the entry"
+    monkeypatch.setattr(tokenizers, "__version__", tokenizers.__version__ + ".next")
+    upgraded = _load(tmp_path, "jsonl", [path], field="text", tokenizer=spec)
+    assert len(entries()) == 2, "another release builds its own entry"
+    assert upgraded.fingerprint == first.fingerprint
+
+
 def test_a_malformed_file_for_datasets_is_a_data_error_naming_it_and_the_cause(tmp_path):
     import_optional("datasets")
     path = tmp_path / "rows.jsonl"

@@ -5,8 +5,9 @@ tokens; absent when the split reads a single pre-tokenized source file in place)
 `<split>.docs.npy` ((D, 2) int64: start and length of every document), plus `meta.json`,
 written last. The key is a SHA-256 of the fingerprint: every source file's resolved path, size
 and modification time (sizes and mtimes only: hashing the content would cost as much as
-tokenizing it), the tokenizer (for a tokenizer.json, a hash of its content) and every setting
-that changes the arrays. meta.json also holds each array file's size and sha256 (sampled blocks
+tokenizing it), the tokenizer (for a tokenizer.json, a hash of its content), the versions of the
+libraries that tokenize (`tokenizers`; transformers too for data=sft) and every setting that changes
+the arrays. meta.json also holds each array file's size and sha256 (sampled blocks
 beyond FULL_HASH_BYTES), verified on every load: a damaged entry is rebuilt, with a warning.
 
 One process per node builds (local rank 0) while the others poll for the finished entry, not

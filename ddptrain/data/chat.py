@@ -32,7 +32,10 @@ from ddptrain.data.sources import DataError
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+                    "config.json")
+"""What AutoTokenizer reads of a directory, and so what the fingerprint hashes: config.json too, whose
+model_type (or tokenizer_class) picks the tokenizer class where tokenizer_config.json does not."""
 _PROBE = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"}]
 """A one-exchange conversation whose rendering shows the template's end-of-turn marker."""
 _NO_SPLIT_HINT = "give a template that marks assistant text with {% generation %} (data.chat_template=PATH)"
@@ -57,6 +60,8 @@ class ChatTokenizer:
             raise DataError("data=sft needs a real tokenizer with an EOS token, not the byte tokenizer: use model=hf "
                             "with a tokenizer in model.path, or data.tokenizer=<dir>/tokenizer.json")
         transformers = _transformers()
+        import tokenizers  # transformers' backend, installed with it
+
         self.path = Path(spec).expanduser()
         if not self.path.is_file():
             raise DataError(f"data.tokenizer: {self.path} is not a file (data=sft expects a tokenizer.json, read "
@@ -85,6 +90,7 @@ class ChatTokenizer:
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
         self.special_ids = set(self.tokenizer.all_special_ids) | {i for i, t in decoder.items() if t.special}
         self._version = transformers.__version__
+        self._tokenizers_version = tokenizers.__version__
 
     def _template(self, path: str | None) -> str | None:
         if path is not None:
@@ -103,6 +109,10 @@ class ChatTokenizer:
             digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
         digest.update((self.template or "").encode("utf-8"))
         return "chat:" + digest.hexdigest()
+
+    def library_versions(self) -> dict:
+        """The libraries that tokenize and render, by version (the cache key's; the fingerprint has transformers')."""
+        return {"transformers": self._version, "tokenizers": self._tokenizers_version}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

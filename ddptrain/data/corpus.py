@@ -49,6 +49,7 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     fingerprint = {
         "source": data_cfg.name, "train": [file_stamp(p) for p in train_files],
         "val": [file_stamp(p) for p in val_files], "tokenizer": tokenizer.fingerprint(),
+        "libraries": tokenizer.library_versions(),  # the key's only, not the resume fingerprint's (inputs below)
         "val_percent": None if val_files else data_cfg.val_percent, "max_docs": data_cfg.max_docs,
         "split_by": data_cfg.split_by, "field": data_cfg.field, "on_decode_error": data_cfg.on_decode_error,
         "dtype": data_cfg.dtype, "eod_token": data_cfg.eod_token, "index": file_stamp(index) if index else None,

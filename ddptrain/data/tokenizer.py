@@ -29,6 +29,10 @@ class ByteTokenizer:
     def fingerprint(self) -> str:
         return "byte"
 
+    def library_versions(self) -> dict:
+        """The libraries that tokenize (none), by version: the cache key's, not the resume fingerprint's."""
+        return {}
+
 
 class HFTokenizer:
     """A `tokenizers` tokenizer.json from a local file (the optional extra `ddptrain[hf]`)."""
@@ -37,6 +41,7 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path):
         try:
+            import tokenizers
             from tokenizers import Tokenizer
         except ImportError:
             raise ValueError("data.tokenizer=<tokenizer.json> needs the optional extra: "
@@ -52,6 +57,7 @@ class HFTokenizer:
         self._tokenizer.no_padding()
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.name = str(self.path)
+        self._version = tokenizers.__version__
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -65,6 +71,10 @@ class HFTokenizer:
 
     def fingerprint(self) -> str:
         return "hf:" + hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    def library_versions(self) -> dict:
+        """{"tokenizers": version}: another release may cut the same text differently."""
+        return {"tokenizers": self._version}
 
 
 def load_tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:
