@@ -105,3 +105,17 @@ def test_a_corpus_moved_whole_and_spelled_relatively_resumes_the_same_run(tmp_pa
     losses = {row["step"]: row["loss"] for row in read_metrics(tmp_path / "run") if "loss" in row}
     expected = {row["step"]: row["loss"] for row in read_metrics(tmp_path / "straight") if "loss" in row}
     assert losses == expected and sorted(losses) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_changed_tokenizer_class_is_refused_and_a_checkpoint_from_before_it_was_recorded_resumes():
+    """data=sft's tokenizer class (config.json's model_type can pick it) is fingerprinted; a checkpoint of an
+    older ddptrain, which did not record it, is not compared on it, so the upgrade still resumes."""
+    inputs = {"source": "sft", "tokenizer": "chat:abc", "documents": 5}
+    before = run_fingerprint({}, {**inputs, "tokenizer_class": "PreTrainedTokenizerFast"})
+    after = run_fingerprint({}, {**inputs, "tokenizer_class": "Qwen2TokenizerFast"})
+    with pytest.raises(ckpt.CheckpointError, match="data.tokenizer_class: 'PreTrainedTokenizerFast' -> "
+                                                   "'Qwen2TokenizerFast'"):
+        check_fingerprint(before, after, accept_changed_data=False)
+    assert check_fingerprint(run_fingerprint({}, inputs), after, accept_changed_data=False) == []
+    with pytest.raises(ckpt.CheckpointError, match="data.documents: 5 -> 6"):  # other keys are still compared
+        check_fingerprint(run_fingerprint({}, inputs), {**after, "data": {**after["data"], "documents": 6}}, False)

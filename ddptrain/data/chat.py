@@ -32,10 +32,10 @@ from ddptrain.data.sources import DataError
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
-                    "config.json")
-"""What AutoTokenizer reads of a directory, and so what the fingerprint hashes: config.json too, whose
-model_type (or tokenizer_class) picks the tokenizer class where tokenizer_config.json does not."""
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+"""The tokenizer files AutoTokenizer reads of a directory, and so what the fingerprint hashes. It also reads
+config.json, whose model_type (or tokenizer_class) may pick the tokenizer class: that class is fingerprinted
+as `tokenizer_class` rather than config.json's bytes, which hold the model's architecture too."""
 _PROBE = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"}]
 """A one-exchange conversation whose rendering shows the template's end-of-turn marker."""
 _NO_SPLIT_HINT = "give a template that marks assistant text with {% generation %} (data.chat_template=PATH)"
@@ -77,6 +77,7 @@ class ChatTokenizer:
         else:
             self.tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(self.path))
             self.files = [self.path]
+        self.tokenizer_class = type(self.tokenizer).__name__
         if self.tokenizer.eos_token_id is None:
             raise DataError(f"data.tokenizer: {self.path} has no EOS token (eos_token in tokenizer_config.json): "
                             "data=sft ends every completion with it")

@@ -49,7 +49,7 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     fingerprint = {
         "source": data_cfg.name, "train": [file_stamp(p) for p in train_files],
         "val": [file_stamp(p) for p in val_files], "tokenizer": tokenizer.fingerprint(),
-        "libraries": tokenizer.library_versions(),  # the key's only, not the resume fingerprint's (inputs below)
+        "tokenizer_class": tokenizer.tokenizer_class, "libraries": tokenizer.library_versions(),  # the key's only, not the resume fingerprint's (inputs below)
         "val_percent": None if val_files else data_cfg.val_percent, "max_docs": data_cfg.max_docs,
         "split_by": data_cfg.split_by, "field": data_cfg.field, "on_decode_error": data_cfg.on_decode_error,
         "dtype": data_cfg.dtype, "eod_token": data_cfg.eod_token, "index": file_stamp(index) if index else None,
@@ -88,7 +88,8 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     if is_sft:
         sft.warn_skips(meta, seq_len)
     inputs = {"source": data_cfg.name, "train": relative_stamps(train_files), "val": relative_stamps(val_files),
-              "tokenizer": tokenizer.fingerprint(), "documents": splits["train"].documents,
+              "tokenizer": tokenizer.fingerprint(), "tokenizer_class": tokenizer.tokenizer_class,
+              "documents": splits["train"].documents,
               "index": relative_stamps([index]) if index else None}
     return DataSplits(splits["train"], splits["val"], vocab_size, inputs)
 

@@ -14,6 +14,7 @@ class ByteTokenizer:
     vocab_size = 256
     needs_text = False  # takes raw bytes: nothing to decode, nothing undecodable
     name = "byte"
+    tokenizer_class = None  # one class only: data=sft's transformers tokenizer picks one (ChatTokenizer)
 
     def encode(self, data: bytes | str) -> np.ndarray:
         if isinstance(data, str):
@@ -38,6 +39,7 @@ class HFTokenizer:
     """A `tokenizers` tokenizer.json from a local file (the optional extra `ddptrain[hf]`)."""
 
     needs_text = True
+    tokenizer_class = None
 
     def __init__(self, path: str | Path):
         try:

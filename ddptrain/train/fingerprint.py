@@ -8,7 +8,9 @@ No absolute path and no cache format version, so a run dir or corpus moved whole
 upgrade, still resumes. A difference is refused with the key, the old and the new value, like a
 changed config key (ddptrain/train/resume.py); checkpoint.accept_changed_data=true accepts a
 changed corpus (a file appended to, a new file matching the glob) with a warning that the data
-order differs from here on. A checkpoint written before fingerprints resumes without the check.
+order differs from here on. A checkpoint written before fingerprints resumes without the check, and
+one written before a key of ADDED was fingerprinted is not compared on that key, so an upgrade that
+fingerprints more still resumes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import logging
 from typing import Any
 
 from ddptrain.train.checkpoint import CheckpointError
-from ddptrain.train.resume import config_changes
+from ddptrain.train.resume import config_changes, flatten
+
+ADDED = ("data.tokenizer_class",)
+"""Keys a later ddptrain fingerprints; a checkpoint without one (an older ddptrain's) is not compared on it."""
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +37,9 @@ def check_fingerprint(saved: dict | None, current: dict, accept_changed_data: bo
     if saved is None:
         log.info("resume: the checkpoint holds no fingerprint of its inputs (an older ddptrain); not compared")
         return []
-    changes = config_changes(saved, current, {})
+    recorded = flatten(saved)
+    changes = [change for change in config_changes(saved, current, {})
+               if change[0] in recorded or change[0] not in ADDED]
     data = [change for change in changes if change[0].startswith("data.")]
     refused = [change for change in changes if change not in data or not accept_changed_data]
     if refused:

@@ -41,11 +41,11 @@ SCHEDULE_KEYS = ("optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_
                  "trainer.max_steps")
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         flat: dict[str, Any] = {}
         for key, value in tree.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         return flat if flat or not prefix else {prefix[:-1]: {}}
     return {prefix[:-1]: tree}
 
@@ -57,7 +57,7 @@ def _may_change(key: str, allowed_keys: tuple[str, ...]) -> bool:
 def config_changes(saved: dict, current: dict, defaults: dict) -> list[tuple[str, Any, Any]]:
     """(key, old, new) for every key whose value differs. A key the checkpoint does not have
     (written by an older ddptrain) counts as its default."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     changes = []
     for key in sorted(set(old) | set(new)):
         before = old.get(key, defaults.get(key))
@@ -89,7 +89,7 @@ def log_applied(changes: list[tuple[str, Any, Any]]) -> None:
 
 
 def defaults_of(schema) -> dict[str, Any]:
-    return _flatten(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
+    return flatten(OmegaConf.to_container(OmegaConf.structured(schema), resolve=True))
 
 
 def model_defaults(model: dict) -> dict[str, Any]:
