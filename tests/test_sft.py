@@ -616,3 +616,21 @@ def test_a_chat_run_keeps_its_template_and_end_of_turn_in_final_export_and_servi
     assert template.render(messages) == tokenizer.apply_chat_template(messages, chat_template=MARKED, tokenize=True,
                                                                       add_generation_prompt=True, return_dict=False)
     assert Generator(served, device="cpu").eos_token_ids == set(stops)
+
+
+def test_save_final_outside_a_run_writes_the_chat_files_of_the_data_it_is_given(tmp_path):
+    from ddptrain.models.adapters import GPTAdapter, tokenizer_beside
+    from ddptrain.train.final import save_final
+
+    directory = _tokenizer_dir(tmp_path / "tok", PLAIN)
+    (tmp_path / "marked.jinja").write_text(MARKED)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    stops = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
+    model, spec = GPTAdapter().build({"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 32}, 700, SEQ)
+    data = {"name": "sft", "tokenizer": str(directory / "tokenizer.json"),
+            "chat_template": str(tmp_path / "marked.jinja")}
+    run_dir = tmp_path / "run"  # no config.yaml: the data section comes from the caller
+    final = save_final(run_dir, model, model.state_dict(), spec, 1, tokenizer_beside(data["tokenizer"]), data=data)
+    assert (final / "chat_template.jinja").read_text() == MARKED
+    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == stops
+    assert ddptrain.load_model(run_dir).eos_token_id == stops

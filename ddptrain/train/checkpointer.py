@@ -248,7 +248,8 @@ class Checkpointer:
                 files = adapter.tokenizer_files(OmegaConf.to_container(self.cfg.model, resolve=True),
                                                 self.cfg.data.tokenizer)
                 path = save_final(self.run_dir, model, state, spec, step, files,
-                                  checkpoint_sha256=self._checkpoint_sha256(step))
+                                  checkpoint_sha256=self._checkpoint_sha256(step),
+                                  data=OmegaConf.to_container(self.cfg.data, resolve=True))
                 log.info("final weights of step %d saved in %s (ddptrain.load_model(%r) reads them)",
                          step, path, str(self.run_dir))
             except FloatingPointError as caught:

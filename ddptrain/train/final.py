@@ -49,12 +49,14 @@ def final_dir(run_dir: str | Path) -> Path:
 
 
 def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, torch.Tensor], spec: ModelSpec,
-               step: int, tokenizer_files: Mapping[str, Path], checkpoint_sha256: str | None = None) -> Path:
+               step: int, tokenizer_files: Mapping[str, Path], checkpoint_sha256: str | None = None,
+               data: Mapping | None = None) -> Path:
     """Write `final/` (rank 0). `module` is the unwrapped model (for model=hf its save_pretrained);
-    `tokenizer_files`: name in final/ -> source (ModelAdapter.tokenizer_files). The chat template and
-    the end-of-turn tokens come from the run's data section (RUN_DIR/config.yaml, when there is one).
-    `checkpoint_sha256`, the sha256 of the COMPLETE.json of the checkpoint these weights are, tells
-    a later launch at this step whether final/ is its run's (Checkpointer.final_is_current)."""
+    `tokenizer_files`: name in final/ -> source (ModelAdapter.tokenizer_files). `data`, the run's
+    data section, says the chat template and the tokens that end what the model writes; None: the
+    one in RUN_DIR/config.yaml, when there is one. `checkpoint_sha256`, the sha256 of the
+    COMPLETE.json of the checkpoint these weights are, tells a later launch at this step whether
+    final/ is its run's (Checkpointer.final_is_current)."""
     final = final_dir(run_dir)
     tmp = final.with_name(f".tmp-{FINAL}")
     if tmp.exists():
@@ -63,7 +65,7 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
     adapter_of(spec).save_final(module, state_dict, tmp, spec)
     for name, file in dict(tokenizer_files).items():
         shutil.copy2(file, tmp / name)
-    _save_chat_files(tmp, _run_data(Path(run_dir)))
+    _save_chat_files(tmp, _run_data(Path(run_dir)) if data is None else data)
     digests = {str(path.relative_to(tmp)): sha256_file(path) for path in sorted(tmp.rglob("*")) if path.is_file()}
     source = {"checkpoint_sha256": checkpoint_sha256} if checkpoint_sha256 is not None else {}
     (tmp / SPEC_FILE).write_text(json.dumps({**spec.to_dict(), "step": step, **source, "sha256": digests}, indent=1))
