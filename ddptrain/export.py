@@ -5,7 +5,10 @@ The built-in GPT becomes a GPT2LMHeadModel with the same logits (ddptrain.models
 run's PreTrainedModel is saved as it is. A LoRA run (model.lora) exports its PEFT adapter directory
 (`peft.PeftModel.from_pretrained(base, OUT_DIR)`), or with `--merge` the base with the adapter
 folded into its weights: a plain save_pretrained directory (other runs export the same with or
-without `--merge`). The directory appears under its name only when complete."""
+without `--merge`). The directory appears under its name only when complete.
+
+From a checkpoint (a run without final/ yet) the export holds what final/ would: the run's
+tokenizer files, chat template and generation_config.json's stop tokens (ddptrain.train.final)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from ddptrain.models import GPT, lora
 from ddptrain.models.hf import TOKENIZER_FILES
 from ddptrain.models.spec import ModelError
 from ddptrain.train.checkpoint import CheckpointError
-from ddptrain.train.final import weights_dir
+from ddptrain.train.final import FINAL, checkpoint_tokenizer_files, save_tokenizer_files, weights_dir
 
 
 class ExportError(RuntimeError):
@@ -77,7 +80,12 @@ def _to_hf(model: nn.Module, run_dir: Path) -> nn.Module:
 
 
 def _copy_tokenizer_files(run_dir: Path, out_dir: Path) -> None:
+    """final/'s tokenizer files; for a checkpoint, what save_final would have put beside its weights
+    (the tokenizer files, the chat template and the tokens generation stops at, from its run's config)."""
     source = weights_dir(run_dir)  # the directory load_model read the weights from
+    if source.name != FINAL:
+        save_tokenizer_files(out_dir, *checkpoint_tokenizer_files(source))
+        return
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, out_dir / name)
@@ -102,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"export error: cannot write {args.out_dir}: {error}", file=sys.stderr)
         sys.exit(2)
     source = weights_dir(args.run_dir)
-    if source.name != "final":  # load_model's fallback: say which weights these are
+    if source.name != FINAL:  # load_model's fallback: say which weights these are
         print(f"note: {args.run_dir} has no final/ yet (the run has not finished or been preempted): exported the "
               f"newest checkpoint, {source.name}", file=sys.stderr)
     print(f"exported {args.run_dir} to {out_dir}")

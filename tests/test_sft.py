@@ -8,6 +8,7 @@ import logging
 import math
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -585,16 +586,25 @@ def test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume(tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("given_template", [False, True], ids=["the tokenizer's template", "data.chat_template"])
 def test_a_chat_run_keeps_its_template_and_end_of_turn_in_final_export_and_serving(tmp_path, given_template):
-    from ddptrain.serving.chat import ChatTemplate
-    from ddptrain.serving.generate import Generator
     from ddptrain.serving.servable import servable_dir
 
     import_optional("fastapi")
+    run_dir, directory, stops = _chat_run(tmp_path, given_template)
+    final = run_dir / "final"
+    assert (final / "chat_template.jinja").read_text() == MARKED
+    assert (final / "tokenizer_config.json").read_bytes() == (directory / "tokenizer_config.json").read_bytes()
+    assert ddptrain.load_model(run_dir).eos_token_id == stops
+    _serves_the_chat_it_trained_on(servable_dir(run_dir), directory, stops)  # the export of the run, as served
+
+
+def _chat_run(tmp_path, given_template: bool, *options: str):
+    """A tiny data=sft run of the built-in GPT through the CLI: (run dir, tokenizer directory, the
+    ids it learnt to end with: end of turn and EOS). `given_template`: trained on data.chat_template
+    (MARKED), not on the tokenizer's own (PLAIN)."""
     directory = _tokenizer_dir(tmp_path / "tok", PLAIN if given_template else MARKED)
-    options = []
-    if given_template:  # the template trained on is MARKED, not the tokenizer's own
+    if given_template:
         (tmp_path / "marked.jinja").write_text(MARKED)
-        options.append(f"data.chat_template={tmp_path / 'marked.jinja'}")
+        options = (*options, f"data.chat_template={tmp_path / 'marked.jinja'}")
     run_dir = tmp_path / "run"
     result = run_cli(["data=sft", f"data.paths=[{_write_jsonl(tmp_path / 'c.jsonl', _chats(60))}]",
                       f"data.tokenizer={directory / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'cache'}",
@@ -602,20 +612,46 @@ def test_a_chat_run_keeps_its_template_and_end_of_turn_in_final_export_and_servi
                       f"batch.seq_len={SEQ}", "batch.global_size=8", "trainer.eval_examples=4", *options,
                       f"run.dir={run_dir}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    final = run_dir / "final"
-    assert (final / "chat_template.jinja").read_text() == MARKED
-    assert (final / "tokenizer_config.json").read_bytes() == (directory / "tokenizer_config.json").read_bytes()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    stops = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})  # end of turn, EOS
-    assert ddptrain.load_model(run_dir).eos_token_id == stops
+    return run_dir, directory, sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
 
-    served = servable_dir(run_dir)  # the export of the run, as serving reads it
+
+def _serves_the_chat_it_trained_on(served, tokenizer_dir, stops: list[int]) -> None:
+    """`served` renders chats with MARKED and stops at `stops`, as serving reads the directory."""
+    from ddptrain.serving.chat import ChatTemplate
+    from ddptrain.serving.generate import Generator
+
     template = ChatTemplate.load(served)
     assert template.is_available, template.unavailable
     messages = [{"role": "user", "content": "hello there"}]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     assert template.render(messages) == tokenizer.apply_chat_template(messages, chat_template=MARKED, tokenize=True,
                                                                       add_generation_prompt=True, return_dict=False)
     assert Generator(served, device="cpu").eos_token_ids == set(stops)
+
+
+@pytest.mark.slow
+def test_a_chat_runs_checkpoint_exports_and_serves_the_template_and_end_of_turn_that_final_holds(tmp_path):
+    from ddptrain.export import export
+    from ddptrain.serving.servable import servable_dir
+
+    import_optional("fastapi")
+    run_dir, directory, stops = _chat_run(tmp_path, True, "checkpoint.every=3")
+    from_final = export(run_dir, tmp_path / "from_final")
+    shutil.rmtree(run_dir / "final")  # a run killed before it wrote final/: its newest checkpoint is served
+    shutil.rmtree(run_dir / "servable", ignore_errors=True)
+    from_checkpoint = export(run_dir, tmp_path / "from_checkpoint")
+    names = {path.name for path in from_final.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= names
+    assert names == {path.name for path in from_checkpoint.iterdir()}
+    for name in names - {"model.safetensors", "generation_config.json"}:
+        assert (from_checkpoint / name).read_bytes() == (from_final / name).read_bytes(), name
+    assert (from_checkpoint / "chat_template.jinja").read_text() == MARKED  # data.chat_template, not the tokenizer's
+    for exported in (from_final, from_checkpoint):
+        assert transformers.GenerationConfig.from_pretrained(exported).eos_token_id == stops
+    served = servable_dir(run_dir)
+    assert json.loads((served / "ddptrain_servable.json").read_text())["source"].endswith("step_00000003")
+    _serves_the_chat_it_trained_on(served, directory, stops)
 
 
 def test_save_final_outside_a_run_writes_the_chat_files_of_the_data_it_is_given(tmp_path):

@@ -126,6 +126,10 @@ class ModelAdapter:
         model.path, fingerprinted): then both hold the trained parameters alone."""
         return True
 
+    def stop_at(self, model: nn.Module, eos: int | list[int]) -> None:
+        """Make `eos` (final/generation_config.json's eos_token_id) the tokens `model`'s generation
+        and its export stop at; a `_target_` model has no generation settings: nothing."""
+
 
 class GPTAdapter(ModelAdapter):
     """model=gpt: the built-in GPT (ddptrain.models.gpt); it takes packed rows."""
@@ -139,8 +143,11 @@ class GPTAdapter(ModelAdapter):
     def load_final(self, directory: Path, spec: ModelSpec) -> GPT:
         """The GPT with the tokens that end its turns (final/generation_config.json), for its export."""
         model = super().load_final(directory, spec)
-        model.eos_token_id = generation_eos(directory)
+        self.stop_at(model, generation_eos(directory))
         return model
+
+    def stop_at(self, model: nn.Module, eos: int | list[int] | None) -> None:
+        model.eos_token_id = eos
 
     def use_attention(self, model: nn.Module, backend: str, forced: bool) -> str:
         backend = attention.without_dropout(backend, model.cfg.dropout, forced)
@@ -245,11 +252,17 @@ class HFAdapter(ModelAdapter):
             base = self._base(spec, directory)
             eos = generation_eos(directory)  # final/'s, where the run's data says which tokens end a turn
             if eos is not None:
-                base.generation_config.eos_token_id = eos
+                self.stop_at(base, eos)
             model = lora.load_adapter(base, directory)
             model.config.use_cache = True
             return model
         return hf.load_pretrained_dir(directory)
+
+    def stop_at(self, model: nn.Module, eos: int | list[int]) -> None:
+        """The model's (a LoRA run's: its base's) generation_config stops at `eos` too, as final/'s
+        generation_config.json adds `eos` to save_pretrained's."""
+        base = model.get_base_model() if lora.is_adapted(model) else model
+        base.generation_config.eos_token_id = merge_eos(base.generation_config.eos_token_id, eos)
 
     def rebuild(self, spec: ModelSpec) -> nn.Module:
         """A fresh model of the spec's architecture; with model.lora, model.path's base (checked
@@ -415,6 +428,16 @@ def generation_eos(directory: Path) -> int | list[int] | None:
         return json.loads((directory / GENERATION_CONFIG).read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def merge_eos(eos: int | list[int] | None, more: int | list[int] | None) -> int | list[int] | None:
+    """The tokens of both eos_token_id values, sorted, in transformers' form (one id alone is an int)."""
+    ids = sorted({*_ids(eos), *_ids(more)})
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def _ids(eos: int | list[int] | None) -> list[int]:
+    return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], spec: ModelSpec, source: Path) -> None:

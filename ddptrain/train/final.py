@@ -25,13 +25,15 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ddptrain.models.adapters import GENERATION_CONFIG, WEIGHTS_FILE, adapter_of, load_weights
+from ddptrain.models.adapters import (GENERATION_CONFIG, WEIGHTS_FILE, adapter_of, generation_eos, load_weights,
+                                      merge_eos)
 from ddptrain.models.spec import ModelSpec
 from ddptrain.fsutil import replace_dir, sha256_file
 from ddptrain.train import checkpoint as ckpt
@@ -63,9 +65,7 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
         shutil.rmtree(tmp)  # left by a run killed while writing
     tmp.mkdir(parents=True)
     adapter_of(spec).save_final(module, state_dict, tmp, spec)
-    for name, file in dict(tokenizer_files).items():
-        shutil.copy2(file, tmp / name)
-    _save_chat_files(tmp, _run_data(Path(run_dir)) if data is None else data)
+    save_tokenizer_files(tmp, tokenizer_files, _run_data(Path(run_dir)) if data is None else data)
     digests = {str(path.relative_to(tmp)): sha256_file(path) for path in sorted(tmp.rglob("*")) if path.is_file()}
     source = {"checkpoint_sha256": checkpoint_sha256} if checkpoint_sha256 is not None else {}
     (tmp / SPEC_FILE).write_text(json.dumps({**spec.to_dict(), "step": step, **source, "sha256": digests}, indent=1))
@@ -91,29 +91,64 @@ def _run_data(run_dir: Path) -> dict:
     return OmegaConf.to_container(data, resolve=True) if data is not None else {}
 
 
-def _save_chat_files(directory: Path, data: Mapping) -> None:
-    """What chatting like the run needs beside its tokenizer in `directory`: data.chat_template (the
-    template it trained on, which the tokenizer's own may not be) as chat_template.jinja, and for
-    data=sft the tokens it learnt to end with (ChatTokenizer.stop_ids) in generation_config.json's
-    eos_token_id, where transformers' generation and ddptrain's serving stop."""
+def save_tokenizer_files(directory: Path, tokenizer_files: Mapping[str, Path], data: Mapping) -> None:
+    """What tokenizes, chats and stops like the run beside its weights in `directory`: the
+    `tokenizer_files` (name there -> source), data.chat_template (the template it trained on, which
+    the tokenizer's own may not be) as chat_template.jinja, and the tokens it learnt to end with
+    (`_stop_ids`) in generation_config.json's eos_token_id, where transformers' generation and
+    ddptrain's serving stop. final/ holds them; an export of a checkpoint writes the same."""
+    for name, file in dict(tokenizer_files).items():
+        shutil.copy2(file, directory / name)
     if data.get("chat_template"):
         shutil.copy2(Path(data["chat_template"]).expanduser(), directory / CHAT_TEMPLATE)
-    if data.get("name") != "sft" or not (directory / "tokenizer.json").is_file():
-        return
-    from ddptrain.data.chat import ChatTokenizer
-    from ddptrain.data.sources import DataError
-
-    try:  # the files just saved, as serving reads them
-        stop = ChatTokenizer(str(directory / "tokenizer.json")).stop_ids()
-    except DataError as error:
-        log.warning("final/ records no end-of-turn token, so generation stops at max_tokens only: %s", error)
+    stop = _stop_ids(directory, data)
+    if not stop:
         return
     file = directory / GENERATION_CONFIG
     config = json.loads(file.read_text()) if file.is_file() else {}  # model=hf: save_pretrained's
-    eos = config.get("eos_token_id")
-    eos = sorted({*([] if eos is None else eos if isinstance(eos, list) else [eos]), *stop})
-    config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    config["eos_token_id"] = merge_eos(config.get("eos_token_id"), stop)
     file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _stop_ids(directory: Path, data: Mapping) -> list[int]:
+    """The tokens the run's targets end with: data=sft's EOS and end-of-turn token
+    (ChatTokenizer.stop_ids, of the tokenizer files in `directory`, as serving reads them)."""
+    if data.get("name") != "sft" or not (directory / "tokenizer.json").is_file():
+        return []
+    from ddptrain.data.chat import ChatTokenizer
+    from ddptrain.data.sources import DataError
+
+    try:
+        return list(ChatTokenizer(str(directory / "tokenizer.json")).stop_ids())
+    except DataError as error:
+        log.warning("no end-of-turn token is recorded, so generation stops at max_tokens only: %s", error)
+        return []
+
+
+def checkpoint_tokenizer_files(path: Path) -> tuple[dict[str, Path], dict]:
+    """(tokenizer files, data section) of the run that wrote the checkpoint at `path`, from its
+    trainer.pt: what save_final would have saved beside these weights (`save_tokenizer_files`).
+    A CheckpointError names a file that is no longer where the run read it."""
+    state = ckpt.load_trainer_state(path)
+    config = state.get("config", {})
+    spec = ModelSpec.from_dict(state["model_spec"])
+    data = dict(config.get("data") or {})
+    files = adapter_of(spec).tokenizer_files(spec.config, data.get("tokenizer"))
+    template = data.get("chat_template")
+    sources = [*files.values(), *([Path(template).expanduser()] if template else [])]
+    missing = [str(file) for file in sources if not Path(file).is_file()]
+    if missing:
+        raise ckpt.CheckpointError(f"{path}: the tokenizer files its run trained with are gone ({', '.join(missing)}); "
+                                   "put them back, or resume the run to write final/")
+    return files, data
+
+
+def checkpoint_eos(path: Path) -> int | list[int] | None:
+    """The eos_token_id final/ would record for the checkpoint at `path` (`save_tokenizer_files`,
+    into a scratch directory: the stop tokens are read from the files as final/ would hold them)."""
+    with tempfile.TemporaryDirectory(prefix="ddptrain-stops-") as scratch:
+        save_tokenizer_files(Path(scratch), *checkpoint_tokenizer_files(path))
+        return generation_eos(Path(scratch))
 
 
 def verify_final(directory: Path) -> dict:
@@ -174,6 +209,14 @@ def _load_from_checkpoint(path: Path) -> nn.Module:
                            "as a model (resume training to write final/)")
     spec = ModelSpec.from_dict(state["model_spec"])
     weights = ckpt.read_weights(path)
-    model = adapter_of(spec).rebuild(spec)
+    adapter = adapter_of(spec)
+    model = adapter.rebuild(spec)
     load_weights(model, weights, spec, path)
+    try:  # the tokens final/ would stop at, for generation and the export
+        eos = checkpoint_eos(path)
+    except ckpt.CheckpointError as error:  # the run's tokenizer moved: the weights still load
+        log.warning("%s; its generation stops at no end-of-turn token", error)
+        eos = None
+    if eos is not None:
+        adapter.stop_at(model, eos)
     return model
