@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+import ddptrain
 from ddptrain.config import ConfigError, DataConfig, TrainConfig, validate
 from ddptrain.data import DataError, load_splits
 from ddptrain.data import cache as cache_module
@@ -506,6 +507,19 @@ def test_each_source_trains_through_the_cli(tmp_path, corpus):
     assert result.returncode == 0, result.stderr[-3000:]
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     assert "data: built cache entry" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_token_run_stops_generation_at_the_end_of_document_token_it_trained_on(tmp_path):
+    from ddptrain.export import export
+
+    transformers = import_optional("transformers")
+    run_dir = tmp_path / "run"  # every document of _token_corpus ends with (and trains on) its eod token 0
+    result = run_cli([*CLI_RUN, *_token_corpus(tmp_path), f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run_dir / "final" / "generation_config.json").read_text())["eos_token_id"] == 0
+    assert ddptrain.load_model(run_dir).eos_token_id == 0
+    assert transformers.GenerationConfig.from_pretrained(export(run_dir, tmp_path / "out")).eos_token_id == 0
 
 
 @pytest.mark.slow

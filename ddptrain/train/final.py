@@ -9,8 +9,10 @@
         tokenizer_config.json  ... and the companions beside it that transformers reads with it
         chat_template.jinja    (special_tokens_map.json, added_tokens.json): EOS, special tokens, chat
                                template; data.chat_template, when set, is saved as chat_template.jinja
-        generation_config.json data=sft: eos_token_id, the tokens the run taught the model to end with
-                               (EOS, and the chat template's end-of-turn token); model=hf: save_pretrained's
+        generation_config.json eos_token_id, the tokens the run taught the model to end with: data=sft's EOS
+                               and chat template's end-of-turn token, data=tokens' data.eod_token (none
+                               for text sources: they put no token between documents); model=hf: with
+                               save_pretrained's settings
         config.json ...        model=hf: the directory is exactly a transformers save_pretrained one
 
 It is written under a temporary name and renamed into place, so a reader sees the old or the new
@@ -111,8 +113,13 @@ def save_tokenizer_files(directory: Path, tokenizer_files: Mapping[str, Path], d
 
 
 def _stop_ids(directory: Path, data: Mapping) -> list[int]:
-    """The tokens the run's targets end with: data=sft's EOS and end-of-turn token
-    (ChatTokenizer.stop_ids, of the tokenizer files in `directory`, as serving reads them)."""
+    """The tokens the run's targets end documents with: data=sft's EOS and end-of-turn token
+    (ChatTokenizer.stop_ids, of the tokenizer files in `directory`, as serving reads them), and
+    data=tokens' data.eod_token, which ends and belongs to every document, so it is the last target
+    of each. Text, JSONL and HF sources encode documents without special tokens and packing ignores
+    the target across a document boundary: those runs never learnt a token to stop at."""
+    if data.get("name") == "tokens" and data.get("eod_token") is not None:
+        return [int(data["eod_token"])]
     if data.get("name") != "sft" or not (directory / "tokenizer.json").is_file():
         return []
     from ddptrain.data.chat import ChatTokenizer
