@@ -29,7 +29,7 @@ from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.final import save_final
 from ddptrain.train.optim import build_optimizer
 from ddptrain.train.resume import check_base_weights
-from tests.helpers import import_deepspeed, import_optional, read_metrics, run_cli, save_bpe_tokenizer
+from tests.helpers import import_deepspeed, import_optional, keeping_mtimes, read_metrics, run_cli, save_bpe_tokenizer
 
 # peft's from_pretrained still asks transformers 5 for the renamed `is_gradient_checkpointing`
 # (ddptrain's own calls to peft silence it in ddptrain.models.lora).
@@ -254,6 +254,24 @@ def test_other_base_weights_are_refused_by_load_model_and_on_resume(tmp_path):
     _base_dir(base, seed=0)  # the original weights back: both are accepted again
     check_base_weights(spec_dict, HFAdapter().build(_model_cfg(base), 256, SEQ)[1], run_dir)
     ddptrain.load_model(run_dir)
+
+
+def test_the_servable_merge_is_remade_when_the_base_changes_under_the_same_mtimes(tmp_path):
+    from ddptrain.serving.servable import ServableError, servable_dir
+
+    base, run_dir, _ = _finished_run(tmp_path)
+    before = _logits(transformers.AutoModelForCausalLM.from_pretrained(servable_dir(run_dir)))
+    assert torch.allclose(before, _logits(ddptrain.load_model(run_dir)), rtol=0, atol=1e-5)
+
+    config = json.loads((base / "config.json").read_text())  # the same weights, another function of them
+    keeping_mtimes(base, lambda: (base / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5})))
+    after = _logits(transformers.AutoModelForCausalLM.from_pretrained(servable_dir(run_dir)))
+    assert torch.allclose(after, _logits(ddptrain.load_model(run_dir)), rtol=0, atol=1e-5)
+    assert not torch.allclose(after, before, rtol=0, atol=1e-3)  # the new base's merge, not the stale one
+
+    keeping_mtimes(base, lambda: _base_dir(base, seed=1))  # other base weights: refused, not served stale
+    with pytest.raises(ServableError, match="trained over other base weights than those now at model.path="):
+        servable_dir(run_dir)
 
 
 # -- CLI runs -------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import REPO, finished_run, import_optional
+from tests.helpers import REPO, finished_run, import_optional, keeping_mtimes
 
 import_optional("transformers")
 import_optional("fastapi")
@@ -208,20 +208,36 @@ def test_byte_tokenizer_ids_are_the_bytes_and_text_round_trips(tmp_path):
     assert hf_tokenizer("héllo 🎉", add_special_tokens=False).input_ids == list("héllo 🎉".encode())
 
 
-def test_servable_dir_of_a_run_is_made_once_and_remade_when_the_weights_change(run_dir, model):
+def test_servable_dir_of_a_run_is_made_once_and_remade_when_the_weights_contents_change(run_dir, model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    directory = servable_dir(run_dir)
-    assert directory == run_dir / "servable" and (directory / "tokenizer.json").is_file()
-    hf_model = AutoModelForCausalLM.from_pretrained(directory)
+    from ddptrain.models.spec import ModelSpec
+    from ddptrain.train.final import save_final
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    directory = servable_dir(run)
+    assert directory == run / "servable" and (directory / "tokenizer.json").is_file()
     idx = torch.tensor([list(b"def main():\n    return 1")])
     with torch.no_grad():
-        assert torch.allclose(hf_model(idx).logits, model(idx), atol=1e-5)
+        assert torch.allclose(AutoModelForCausalLM.from_pretrained(directory)(idx).logits, model(idx), atol=1e-5)
     made = (directory / MARKER).stat().st_mtime_ns
-    assert servable_dir(run_dir) == directory and (directory / MARKER).stat().st_mtime_ns == made  # reused
-    spec = run_dir / "final" / "ddptrain_model.json"
-    os.utime(spec, ns=(spec.stat().st_atime_ns, spec.stat().st_mtime_ns + 10**9))  # new final weights
-    assert (servable_dir(run_dir) / MARKER).stat().st_mtime_ns != made
+    final = run / "final"
+    spec = final / "ddptrain_model.json"
+    other = ddptrain.load_model(run)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(0.5)
+    meta = json.loads(spec.read_text())
+    keeping_mtimes(final, lambda: save_final(run, other, other.state_dict(), ModelSpec.from_dict(meta), meta["step"],
+                                             {}))  # other weights, every mtime as it was (cp -p, rsync -a)
+    assert (servable_dir(run) / MARKER).stat().st_mtime_ns != made
+    with torch.no_grad():
+        served = AutoModelForCausalLM.from_pretrained(directory)(idx).logits
+        assert torch.allclose(served, other(idx), atol=1e-5) and not torch.allclose(served, model(idx), atol=1e-3)
+    made = (directory / MARKER).stat().st_mtime_ns
+    os.utime(spec, ns=(spec.stat().st_atime_ns, spec.stat().st_mtime_ns + 10**9))  # touched, the same weights
+    assert servable_dir(run) == directory and (directory / MARKER).stat().st_mtime_ns == made  # reused
 
 
 # -- continuous batching: the same tokens as alone ---------------------------------------------------

@@ -7,7 +7,8 @@ used as it is) or a ddptrain run directory, which it turns into `RUN_DIR/servabl
         config.json, model.safetensors ...   `python -m ddptrain.export` of the run's weights
         tokenizer.json                       the run's tokenizer; for the byte tokenizer, a
                                              byte-level one whose ids are the byte values
-        ddptrain_servable.json               which weights it was made from (remade when they change)
+        ddptrain_servable.json               the files it was made from, by size and sha256 (remade
+                                             when a content changes: the weights, a LoRA run's base)
 
 The byte tokenizer (ddptrain.data.tokenizer.ByteTokenizer) has no file: `byte_tokenizer()` builds
 the `tokenizers` equivalent, so that text in and text out work in any Hugging Face tool.
@@ -97,11 +98,15 @@ def servable_dir(path: str | Path) -> Path:
 
 
 def _source_stamp(run_dir: Path) -> dict:
-    from ddptrain.train.final import SPEC_FILE, weights_dir
+    """What the servable directory is built from, by content: the size and sha256 of each file
+    (final.source_files: the weights' marker, a LoRA run's base files, a checkpoint's tokenizer
+    files). A copy that kept the mtimes (cp -p, rsync -a) of other contents is not the same source."""
+    from ddptrain.fsutil import sha256_file
+    from ddptrain.train.final import source_files, weights_dir
 
     source = weights_dir(run_dir)  # final/, else the newest complete checkpoint
-    files = [source / SPEC_FILE] if (source / SPEC_FILE).is_file() else sorted(source.rglob("*"))
-    return {"source": str(source.resolve()), "mtime_ns": max(f.stat().st_mtime_ns for f in files if f.is_file())}
+    files = {str(file.resolve()): [file.stat().st_size, sha256_file(file)] for file in source_files(source)}
+    return {"source": str(source.resolve()), "files": files}
 
 
 def _from_run(run_dir: Path) -> Path:
@@ -112,7 +117,7 @@ def _from_run(run_dir: Path) -> Path:
     out = run_dir / SERVABLE
     try:
         stamp = _source_stamp(run_dir)
-    except (FileNotFoundError, CheckpointError) as error:
+    except (FileNotFoundError, CheckpointError) as error:  # no weights, a damaged file or a moved tokenizer
         raise ServableError(str(error)) from None
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == stamp:

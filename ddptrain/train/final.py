@@ -158,6 +158,30 @@ def checkpoint_eos(path: Path) -> int | list[int] | None:
         return generation_eos(Path(scratch))
 
 
+def source_files(directory: Path) -> list[Path]:
+    """The files that load_model and export read for the weights in `directory` (final/ or a
+    checkpoint, as weights_dir returns them): its marker, which holds a sha256 of every other file
+    in it (checked by weights_dir), or every file where an older final/ has none; a LoRA run's base
+    files at model.path; a checkpoint's tokenizer files and chat template. Their contents, not
+    their mtimes, say whether what was built from them is current."""
+    is_final = directory.name == FINAL
+    marker = directory / (SPEC_FILE if is_final else ckpt.MARKER)
+    meta = json.loads(marker.read_text())
+    files = [marker] if "sha256" in meta else sorted(path for path in directory.rglob("*") if path.is_file())
+    spec = meta if is_final else ckpt.load_trainer_state(directory).get("model_spec")
+    if spec is None:  # a checkpoint of an older ddptrain, which load_model refuses by name
+        return files
+    spec = ModelSpec.from_dict(spec)
+    if spec.base_weights is not None:  # LoRA: the frozen base is model.path's, read again
+        base = Path(spec.config["path"]).expanduser()  # gone: loading it names the path
+        files += sorted(path for path in base.iterdir() if path.is_file()) if base.is_dir() else []
+    if not is_final:
+        tokenizer_files, data = checkpoint_tokenizer_files(directory)
+        files += [Path(file) for file in tokenizer_files.values()]
+        files += [Path(data["chat_template"]).expanduser()] if data.get("chat_template") else []
+    return files
+
+
 def verify_final(directory: Path) -> dict:
     """The marker (ddptrain_model.json) of a final/ whose files match their checksums, else a
     CheckpointError naming the file. A final/ written before the checksums verifies its marker alone."""
