@@ -30,6 +30,38 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_contents(path: Path) -> None:
+    """fsync a file's data, or a directory's entries and those of every directory below it (the
+    files in it are fsynced by whoever wrote them): a file's fsync does not make its name in its
+    directory durable (man 2 fsync)."""
+    if not path.is_dir():
+        fsync_file(path)
+        return
+    for directory in [path, *(child for child in path.rglob("*") if child.is_dir() and not child.is_symlink())]:
+        fsync_dir(directory)
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p, each directory it creates made durable in its parent (a rename into it then is too)."""
+    created = [directory for directory in [path, *path.parents] if not directory.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    for directory in reversed(created):
+        fsync_dir(directory.parent)
+
+
+def rename(src: Path, dst: Path) -> None:
+    """os.replace(src, dst) that survives a crash: what `src` holds is fsynced before the rename (see
+    `_fsync_contents`), and the directories that hold the two names after it, so a crash finds the
+    old state or the new one, never the new name over lost entries nor an old name come back. Every
+    rename that publishes data, or moves it out of a reader's sight, goes through here (or
+    `replace_dir`)."""
+    _fsync_contents(src)
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+    if Path(src).parent.resolve() != Path(dst).parent.resolve():
+        fsync_dir(src.parent)
+
+
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -57,7 +89,8 @@ def replace_dir(new: Path, target: Path, aside: Path) -> None:
     """Put the directory `new` under the name `target`, and the directory that held that name (if
     any) under `aside`, replacing an earlier one there. On Linux the swap is one atomic exchange, so
     a reader, or a crash, finds the old or the new directory at `target`, never none; elsewhere it
-    is two renames, with a moment between them where `target` is absent."""
+    is two renames, with a moment between them where `target` is absent. Durable like `rename`."""
+    _fsync_contents(new)
     if not target.exists():
         os.replace(new, target)
     else:

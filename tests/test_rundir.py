@@ -236,6 +236,44 @@ def test_a_full_disk_names_the_path_on_every_rank_and_keeps_the_previous_checkpo
     assert not list(ckpt.checkpoint_dir(run_dir).glob(".tmp-*")), "the partial directory is removed"
 
 
+# -- durable renames ------------------------------------------------------------------------------
+
+
+def _record_fsyncs(monkeypatch) -> list[tuple[str, list[str] | None]]:
+    """Every os.fsync of this process: the path of the fd and, for a directory, its entries then."""
+    fsyncs, real = [], os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        fsyncs.append((path, sorted(os.listdir(path)) if os.path.isdir(path) else None))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return fsyncs
+
+
+def test_a_rename_that_publishes_fsyncs_what_it_names_before_and_the_parent_after(tmp_path, monkeypatch):
+    """A checkpoint (as final/, through fsutil.replace_dir) and metrics.jsonl cut on resume: the new
+    directory's entries, or the new file's data, reach the disk before the rename, and the directory
+    holding the name after it (man 2 fsync: a file's fsync does not make its name durable)."""
+    from ddptrain.train.metrics import MetricsLogger
+
+    fsyncs = _record_fsyncs(monkeypatch)
+    root = ckpt.checkpoint_dir(tmp_path)
+    ckpt.write_checkpoint(tmp_path, 6, {"step": 6}, save_state=lambda d: d.mkdir())
+    tmp = str(root / ".tmp-step_00000006")
+    assert (tmp, ["COMPLETE.json", "rng_rank0.pt", "state", "trainer.pt"]) in fsyncs, fsyncs
+    assert (tmp + "/state", []) in fsyncs
+    assert (str(root), ["step_00000006"]) in fsyncs, "checkpoints/ after the rename"
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
+    fsyncs.clear()
+    MetricsLogger(tmp_path, resume_step=2).close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert fsyncs[0] == (str(tmp_path / "metrics.jsonl.tmp"), None), fsyncs
+    assert fsyncs[1][0] == str(tmp_path) and "metrics.jsonl.tmp" not in fsyncs[1][1], "run.dir after the rename"
+
+
 # -- checkpoints at scale -------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ddptrain.data.sources import DataError, common_directory
-from ddptrain.fsutil import fsync_file, pid_is_running
+from ddptrain.fsutil import fsync_file, pid_is_running, rename
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
         for child in tmp.iterdir():
             fsync_file(child)
         try:
-            os.rename(tmp, entry)
+            rename(tmp, entry)
         except OSError:  # another node built the same entry first: keep theirs, identical by construction
             if not (entry / _META).is_file():
                 raise

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -41,8 +40,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from ddptrain.distributed import barrier, first_failure, get_rank, get_world_size, is_rank_zero
-from ddptrain.fsutil import (UnsafeFileError, describe_write_error, fsync_file, load_torch, replace_dir,
-                             save_torch, sha256_file)
+from ddptrain.fsutil import (UnsafeFileError, describe_write_error, fsync_file, load_torch, make_dirs, rename,
+                             replace_dir, save_torch, sha256_file)
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +211,7 @@ def _open(run_dir: str | Path, step: int) -> tuple[Path, Path]:
     error = None
     if is_rank_zero():
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            make_dirs(root)
             if damage:
                 aside = _move_aside(final)
                 log.warning("the checkpoint of step %d in %s does not verify (%s): moved to %s and written again",
@@ -254,7 +253,7 @@ def _move_aside(path: Path) -> Path:
     aside = path.with_name(f".bad-{path.name}")
     if aside.exists():
         shutil.rmtree(aside)
-    os.replace(path, aside)
+    rename(path, aside)
     return aside
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ddptrain.distributed import is_rank_zero
+from ddptrain.fsutil import rename
 from ddptrain.train.flops import ModelFlops
 from ddptrain.train.progress import Progress
 
@@ -159,7 +160,7 @@ class MetricsLogger:
                 keep.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-        os.replace(tmp, self.path)
+        rename(tmp, self.path)  # fsynced: a crash never leaves an empty or a half-written file
         return last
 
     @staticmethod

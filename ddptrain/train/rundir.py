@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from ddptrain.fsutil import pid_is_running
+from ddptrain.fsutil import fsync_dir, make_dirs, pid_is_running
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,10 @@ def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:
     suffix = 1
     while target.exists():
         target, suffix = run_dir / "previous" / f"{stamp}-{suffix}", suffix + 1
-    target.mkdir(parents=True)
+    make_dirs(target)
     for name in present:
-        shutil.move(str(run_dir / name), str(target / name))
+        shutil.move(str(run_dir / name), str(target / name))  # a rename, or a copy where a mount point is moved
+    fsync_dir(target)
+    fsync_dir(run_dir)  # a crash never brings the earlier run back beside the new one
     log.warning("run.dir %s held an earlier run; %s, so it was moved to %s (nothing was deleted)", run_dir, why, target)
     return target
