@@ -138,25 +138,39 @@ def _final_weights_file(run_dir) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "final" / "model.safetensors")
 
 
-def test_a_rollback_to_an_older_checkpoint_replaces_the_later_checkpoint_and_final_weights(nine_steps, tmp_path):
-    """Resumed from step 6 with another learning rate, the run writes its own step 9 and final/ over
-    the abandoned trajectory's (kept aside), never keeping theirs while logging "saved"."""
+def test_a_rollback_moves_the_abandoned_trajectory_aside_and_auto_resumes_the_new_one(nine_steps, tmp_path):
+    """Resumed on 2 ranks from step 3 of a 9-step run with another learning rate, the run moves the
+    abandoned trajectory's later checkpoints and final/ to previous/ (rank 0, the other waiting),
+    then dies at step 8; `auto` resumes its own step 6, not the abandoned step 9, and finishes it."""
     shutil.copytree(nine_steps, tmp_path, dirs_exist_ok=True)
-    step9 = ckpt.checkpoint_dir(tmp_path) / ckpt.step_name(9)
-    old_weights = ckpt.read_weights(step9)
-    result = train(tmp_path, "trainer.max_steps=9", "checkpoint.every=3", "checkpoint.keep=5", "optim.lr=0.01",
-                   f"checkpoint.resume={ckpt.checkpoint_dir(tmp_path) / ckpt.step_name(6)}", nproc=1)
-    assert "another trajectory's" in result.stderr and ".replaced-step_00000009" in result.stderr, result.stderr[-3000:]
+    root = ckpt.checkpoint_dir(tmp_path)
+    old = {step: ckpt.read_weights(root / ckpt.step_name(step)) for step in (6, 9)}
+    old_final = _final_weights_file(tmp_path)
+    relaunch = ["trainer.max_steps=9", "checkpoint.every=3", "checkpoint.keep=5", "optim.lr=0.01"]
+    rolled = train(tmp_path, *relaunch, f"checkpoint.resume={root / ckpt.step_name(3)}", nproc=2,
+                   env={"DDPTRAIN_FAILPOINT": "kill@8:1"}, check=False)
+    assert rolled.returncode != 0, rolled.stderr[-3000:]
+    (previous,) = (tmp_path / "previous").iterdir()
+    assert ("checkpoints of steps (6, 9) and final/ of step 9 come after step 3, the one this run continues from "
+            f"(an abandoned trajectory's, or ones that did not verify): moved to {previous}") in rolled.stderr, \
+        rolled.stderr[-3000:]
+    for step in (6, 9):
+        ckpt.verify(ckpt.checkpoint_dir(previous) / ckpt.step_name(step))
+        assert_bitwise_equal(ckpt.read_weights(ckpt.checkpoint_dir(previous) / ckpt.step_name(step)), old[step])
+    assert_bitwise_equal(_final_weights_file(previous), old_final)
+    assert [m["step"] for m in read_metrics(previous)] == list(range(1, 10)), "the abandoned curve is kept"
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [3, 6], "the new trajectory's step 6"
+
+    train(tmp_path, *relaunch, nproc=1)  # checkpoint.resume=auto
+    log = (tmp_path / "train.log").read_text()
+    assert ckpt.step_name(6) in log.rsplit("resumed from", 1)[1].splitlines()[0], "auto takes the new step 6"
+    step9 = root / ckpt.step_name(9)
     assert ckpt.load_trainer_state(step9)["config"]["optim"]["lr"] == 0.01
-    new_weights = ckpt.read_weights(step9)
-    assert any(not torch.equal(new_weights[key], old_weights[key]) for key in old_weights), "step 9 is rewritten"
-    aside = ckpt.checkpoint_dir(tmp_path) / ".replaced-step_00000009"
-    ckpt.verify(aside)
-    assert_bitwise_equal(ckpt.read_weights(aside), old_weights)
-    final = _final_weights_file(tmp_path)
-    assert all(torch.equal(final[key], new_weights[key]) for key in final), "final/ holds the new step 9"
-    assert [m["lr"] for m in read_metrics(tmp_path)[6:]] == [0.01] * 3
-    assert ckpt.find_latest(tmp_path) == step9, "auto resumes the new trajectory"
+    new9, final = ckpt.read_weights(step9), _final_weights_file(tmp_path)
+    assert any(not torch.equal(new9[key], old[9][key]) for key in old[9]), "step 9 of the new trajectory"
+    assert all(torch.equal(final[key], new9[key]) for key in final), "final/ holds the new step 9"
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 10))
+    assert [m["lr"] for m in read_metrics(tmp_path)[3:]] == [0.01] * 6
 
 
 def test_a_relaunch_with_nothing_left_to_do_applies_no_change_and_keeps_config_and_final(nine_steps, tmp_path):

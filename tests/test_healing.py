@@ -81,11 +81,15 @@ def test_damaged_checkpoints_and_final_weights_heal_and_a_refused_launch_changes
     shard = max((step6 / "state").glob("*.distcp"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:100])
 
-    # item 1: step 6 does not verify, so the run resumes from 4, writes 6 again and never purges 4 for a bad 6
+    # item 1: step 6 does not verify, so the run resumes from 4, moves the bad 6 (and final/ of step 6)
+    # to previous/, writes 6 again and never purges 4 for a bad 6
     second = run_cli([*base, "checkpoint.keep=1"], nproc=2)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr and "step_00000004" in second.stderr
-    assert "does not verify" in second.stderr and "written again" in second.stderr
+    assert f"skipping checkpoint step_00000006: {shard} is corrupted" in second.stderr, second.stderr[-3000:]
+    assert "checkpoints of steps (6) and final/ of step 6 come after step 4" in second.stderr, second.stderr[-3000:]
+    (previous,) = (run_dir / "previous").iterdir()
+    assert (ckpt.checkpoint_dir(previous) / ckpt.step_name(6)).is_dir(), "the damaged one is kept aside"
     ckpt.verify(step6)
     assert ckpt.find_latest(run_dir) == step6
 

@@ -344,9 +344,10 @@ def _fail_together(error: BaseException | None, tmp: Path) -> None:
 
 def purge(run_dir: str | Path, keep: int, protect: Path) -> None:
     """Delete complete checkpoints older than `protect` (the one just written, which verifies) but
-    the newest `keep` counted from it (rank 0). Checkpoints newer than `protect` (ones that did not
-    verify on resume, or the future of an older one resumed on purpose) are neither counted nor
-    deleted: the newest checkpoint that verifies is never removed. Never fails training."""
+    the newest `keep` counted from it (rank 0). A resume moves every checkpoint newer than the one it
+    resumed from aside (Checkpointer._move_newer_aside), so `protect` is the newest; one newer all the
+    same is neither counted nor deleted: the newest checkpoint that verifies is never removed. Never
+    fails training."""
     if not is_rank_zero() or keep <= 0:
         return
     protect_step = int(_NAME.match(Path(protect).name).group(1))

@@ -30,7 +30,8 @@ from ddptrain.train.faults import FaultInjector
 from ddptrain.train.final import SPEC_FILE, final_dir, save_final, verify_final
 from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, log_applied,
                                    model_defaults, reset_learning_rate)
-from ddptrain.train.rundir import RunDirError, RunDirLock, RunDirLocked, move_previous_run_aside
+from ddptrain.train.rundir import (RunDirError, RunDirLock, RunDirLocked, move_abandoned_aside,
+                                   move_previous_run_aside)
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,33 @@ class Checkpointer:
                                        "must not change on resume")
         ckpt.load_rng_for_rank(path, self.dist.rank, self.dist.world_size, state["world_size"])
         self._check_horizon(state)
+        self._move_newer_aside(step)
         log.info("resumed from %s at step %d (%d samples seen)", path, step, cursor["samples_seen"])
+
+    def _move_newer_aside(self, step: int) -> None:
+        """Collective, once the resume from `step` is accepted: run.dir's checkpoints and final/ of
+        later steps are not this run's future. They are an abandoned trajectory's (a rollback:
+        checkpoint.resume=PATH to an older checkpoint, say with another learning rate) or ones that
+        did not verify (`auto` skipped them); left in place, a later `auto` would resume the newest
+        of them and silently continue the abandoned trajectory. Rank 0 moves them to previous/<time>/
+        while the other ranks wait (rundir.move_abandoned_aside: nothing is deleted)."""
+        error = None
+        if is_rank_zero():
+            newer = [(saved, path) for saved, path in ckpt.list_checkpoints(self.run_dir) if saved > step]
+            final_step = _final_step(self.run_dir)
+            final = [final_dir(self.run_dir)] if final_step is not None and final_step > step else []
+            try:
+                if newer or final:
+                    target = move_abandoned_aside(self.run_dir, [path for _, path in newer] + final)
+                    log.warning("run.dir's checkpoints of steps (%s)%s come after step %d, the one this run "
+                                "continues from (an abandoned trajectory's, or ones that did not verify): moved to "
+                                "%s (nothing was deleted); checkpoint.resume=auto never resumes them",
+                                ", ".join(str(saved) for saved, _ in newer) or "none",
+                                f" and final/ of step {final_step}" if final else "", step, target)
+            except OSError as caught:
+                error = ckpt.CheckpointError(f"the checkpoints after step {step} could not be moved aside: "
+                                             f"{describe_write_error(caught, self.run_dir)}")
+        raise_on_every_rank(error, ckpt.CheckpointError)  # the barrier: no rank trains before they are gone
 
     def _check_horizon(self, state: dict) -> None:
         """Resuming with another trainer.max_steps stretches the LR schedule unless optim.decay_steps fixes it."""

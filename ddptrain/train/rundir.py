@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from ddptrain.fsutil import fsync_dir, make_dirs, pid_is_running
+from ddptrain.fsutil import fsync_dir, fsync_file, make_dirs, pid_is_running, rename
 
 log = logging.getLogger(__name__)
 
@@ -157,15 +157,40 @@ def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:
     present = [name for name in PREVIOUS_RUN_FILES if (run_dir / name).exists()]
     if not any(name in present for name in ("checkpoints", "final", "metrics.jsonl")):
         return None
+    target = _new_previous_dir(run_dir)
+    for name in present:
+        shutil.move(str(run_dir / name), str(target / name))  # a rename, or a copy where a mount point is moved
+    fsync_dir(target)
+    fsync_dir(run_dir)  # a crash never brings the earlier run back beside the new one
+    log.warning("run.dir %s held an earlier run; %s, so it was moved to %s (nothing was deleted)", run_dir, why, target)
+    return target
+
+
+def move_abandoned_aside(run_dir: str | Path, paths: list[Path]) -> Path:
+    """Move `paths` (checkpoints and final/ of steps after the checkpoint a run resumed from) to
+    `previous/<time>/` under their names in run.dir, with a copy of the run's metrics.jsonl and
+    config.yaml (the resumed run cuts the one and rewrites the other): nothing is deleted, and
+    `auto` can never resume them. Returns that directory."""
+    run_dir = Path(run_dir)
+    target = _new_previous_dir(run_dir)
+    for path in paths:
+        destination = target / Path(path).relative_to(run_dir)
+        make_dirs(destination.parent)
+        rename(Path(path), destination)
+    for name in ("metrics.jsonl", "config.yaml"):
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, target / name)
+            fsync_file(target / name)
+    fsync_dir(target)
+    return target
+
+
+def _new_previous_dir(run_dir: Path) -> Path:
+    """A new, empty `previous/<time>/` in `run_dir`."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     target = run_dir / "previous" / stamp
     suffix = 1
     while target.exists():
         target, suffix = run_dir / "previous" / f"{stamp}-{suffix}", suffix + 1
     make_dirs(target)
-    for name in present:
-        shutil.move(str(run_dir / name), str(target / name))  # a rename, or a copy where a mount point is moved
-    fsync_dir(target)
-    fsync_dir(run_dir)  # a crash never brings the earlier run back beside the new one
-    log.warning("run.dir %s held an earlier run; %s, so it was moved to %s (nothing was deleted)", run_dir, why, target)
     return target
