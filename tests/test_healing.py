@@ -6,6 +6,7 @@ leaves config.yaml as it was."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,16 +25,22 @@ def _save(run_dir, step: int, value: float = 1.0):
     return ckpt.write_checkpoint(run_dir, step, {"step": step}, save_state=save_state)
 
 
-def test_a_step_whose_checkpoint_does_not_verify_is_written_again(tmp_path, caplog):
+def test_a_step_directory_already_there_is_moved_aside_unread_and_written_again(tmp_path, caplog, monkeypatch):
+    """One put there by hand (a resume moves every later one aside): it is replaced whether it
+    verifies or not, so hashing it first would be a collective read of it for nothing."""
     path = _save(tmp_path, 6)
-    (path / "state" / "model.pt").write_bytes(b"x" * 100)  # truncated
+    (path / "state" / "model.pt").write_bytes(b"x" * 100)  # damaged or another trajectory's: the same to a save
+    hashed, sha256_file = [], ckpt.sha256_file
+    monkeypatch.setattr(ckpt, "sha256_file", lambda file: hashed.append(Path(file)) or sha256_file(file))
     with caplog.at_level("WARNING", logger="ddptrain"):
-        again = _save(tmp_path, 6)
+        again = _save(tmp_path, 6, value=2.0)
     assert again == path
-    ckpt.verify(path)  # the rewrite, not the damaged one, is step 6 now
-    assert torch.load(path / "state" / "model.pt")["w"].shape == (64,)
-    assert (ckpt.checkpoint_dir(tmp_path) / ".bad-step_00000006").is_dir(), "the damaged one is moved aside"
-    assert "step 6" in caplog.text and "does not verify" in caplog.text and "model.pt is corrupted" in caplog.text
+    assert hashed and not [file for file in hashed if file.is_relative_to(path)], "none of its files is read"
+    ckpt.verify(path)  # the rewrite is step 6 now
+    assert torch.load(path / "state" / "model.pt")["w"][0] == 2.0
+    aside = ckpt.checkpoint_dir(tmp_path) / ".replaced-step_00000006"
+    assert (aside / "state" / "model.pt").read_bytes() == b"x" * 100, "moved aside as it was"
+    assert "step 6" in caplog.text and "is not this run's" in caplog.text and "unread" in caplog.text
 
 
 def test_a_leftover_step_directory_without_a_marker_never_blocks_a_save(tmp_path):

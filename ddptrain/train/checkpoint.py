@@ -14,9 +14,7 @@ Layout of one checkpoint (a directory under `<run.dir>/checkpoints/`):
 
 A directory becomes visible under its final name only after every rank has written and the
 marker is on disk, so `auto` can never pick a checkpoint that a killed run left half-written. A
-step directory already there is never taken for this save: one that does not verify is moved
-aside first, one that verifies (left by another trajectory: a run resumed from an older
-checkpoint) stays until the new one is complete, and is then swapped out for it.
+step directory already there is never taken for this save: it is moved aside, unread, first.
 
 Checkpoints written before the neutral layout hold `strategy/` instead of `state/`: the strategy's
 own files (ddp model.pt + optimizer.pt, zero* DeepSpeed's, fsdp already a DCP directory of the
@@ -199,23 +197,25 @@ def start_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
 
 def _open(run_dir: str | Path, step: int) -> tuple[Path, Path]:
     """Collective: (the final directory, a fresh temporary one to write into). A step directory
-    that does not verify (a damaged file, or no marker: a save that never finished) is moved aside
-    now: it never counts as saved and never blocks the rename. One that verifies is another
-    trajectory's (the caller does not save a step it already holds): it stays, the newest complete
-    checkpoint should this save fail, until `_commit` swaps the new one in. Rank 0 decides and tells
-    the others."""
+    already there is not this run's (the caller does not save a step it holds, and a resume moved
+    every later one aside: Checkpointer._move_newer_aside): one put there by hand, or a save that
+    never finished. It is moved aside now, unread, so it never counts as saved, never blocks the
+    rename and is never resumed should this save fail: to `.replaced-<name>` with a COMPLETE.json,
+    `.bad-<name>` without. Hashing it first (a collective read of every file) would decide nothing:
+    it goes either way. Rank 0 acts and tells the others."""
     root = checkpoint_dir(run_dir)
     final = root / step_name(step)
     tmp = root / f".tmp-{step_name(step)}"
-    damage = _damage(final)
     error = None
     if is_rank_zero():
         try:
             make_dirs(root)
-            if damage:
-                aside = _move_aside(final)
-                log.warning("the checkpoint of step %d in %s does not verify (%s): moved to %s and written again",
-                            step, final, damage, aside.name)
+            if final.exists():
+                finished = (final / MARKER).is_file()
+                aside = _move_aside(final, _replaced_name(final) if finished else _bad_name(final))
+                log.warning("the checkpoint of step %d in %s is not this run's (%s): moved to %s unread, and written "
+                            "again", step, final, "this run neither wrote it nor resumed from it" if finished
+                            else f"no {MARKER}: a save that never finished", aside.name)
             if tmp.exists():
                 shutil.rmtree(tmp)  # left by a run killed while writing
             tmp.mkdir()
@@ -227,30 +227,9 @@ def _open(run_dir: str | Path, step: int) -> tuple[Path, Path]:
     return final, tmp
 
 
-def _damage(final: Path) -> str | None:
-    """Collective: None when the step directory `final` is a checkpoint that verifies (every rank
-    hashes its share), "" when there is no such directory, else what is wrong with it."""
-    present: list = [final.exists() and (final / MARKER).is_file(), final.exists()]
-    if dist.is_initialized():
-        dist.broadcast_object_list(present, src=0)
-    has_marker, exists = present
-    if not exists:
-        return ""
-    if not has_marker:
-        return f"no {MARKER}: a save that never finished"
-    error = None
-    try:
-        verify(final, get_rank(), get_world_size())
-    except Exception as caught:  # noqa: BLE001 - every rank must hear of it
-        error = caught
-    failure = first_failure(error)
-    return None if failure is None else failure[1].removeprefix("CheckpointError: ")
-
-
-def _move_aside(path: Path) -> Path:
-    """Rename a step directory that does not verify to `.bad-<name>` (hidden from resume and purge;
-    an earlier one of that step is replaced)."""
-    aside = path.with_name(f".bad-{path.name}")
+def _move_aside(path: Path, aside: Path) -> Path:
+    """Rename a step directory to `aside` (a hidden name: no resume nor purge sees it; an earlier one
+    there is replaced)."""
     if aside.exists():
         shutil.rmtree(aside)
     rename(path, aside)
@@ -258,9 +237,13 @@ def _move_aside(path: Path) -> Path:
 
 
 def _replaced_name(path: Path) -> Path:
-    """Where a step directory of another trajectory goes once this run's checkpoint of that step
-    replaces it (hidden from resume and purge; an earlier one of that step is replaced)."""
+    """Where a finished step directory that is not this run's goes (`_open`)."""
     return path.with_name(f".replaced-{path.name}")
+
+
+def _bad_name(path: Path) -> Path:
+    """Where a step directory without a marker (a save that never finished) goes (`_open`)."""
+    return path.with_name(f".bad-{path.name}")
 
 
 def _write_small_files(tmp: Path, trainer_state: dict | None) -> None:
@@ -303,8 +286,8 @@ def _digests(tmp: Path, files: list[Path]) -> dict[str, str]:
 
 def _commit(step: int, tmp: Path, final: Path, digests: dict[str, str]) -> None:
     """Collective: rank 0 gathers every rank's digests, writes the marker and renames `tmp` to
-    `final`; a checkpoint of that step already there (another trajectory's, `_open`) is swapped out
-    in the same rename where the OS can (fsutil.replace_dir) and kept as `.replaced-<name>`."""
+    `final` (fsutil.replace_dir: `_open` moved any directory of that name aside; one that appeared
+    since would be swapped out to `.replaced-<name>` in the same rename, never mixed with it)."""
     gathered = _gather(digests)
     if is_rank_zero():
         sums = {name: digest for part in gathered for name, digest in sorted(part.items())}
@@ -312,12 +295,7 @@ def _commit(step: int, tmp: Path, final: Path, digests: dict[str, str]) -> None:
         marker.write_text(json.dumps({"step": step, "world_size": get_world_size(), "sha256": dict(sorted(sums.items()))},
                                      indent=1))
         fsync_file(marker)
-        replaced = final.exists()
         replace_dir(tmp, final, aside=_replaced_name(final))
-        if replaced:
-            log.warning("the checkpoint of step %d in %s was another trajectory's (this run neither wrote it nor "
-                        "resumed from it): replaced by this run's, the old one moved to %s", step, final,
-                        _replaced_name(final).name)
     barrier()
 
 

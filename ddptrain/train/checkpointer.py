@@ -201,8 +201,8 @@ class Checkpointer:
         checkpoint.async_save the weights and optimizer state are written in the background and the
         checkpoint is committed by a later `poll` or `wait` (an earlier one still being written is
         committed first). A step this run already holds (a preemption right after its checkpoint)
-        is not written again; any other checkpoint of that step in run.dir (another trajectory's: a
-        run resumed from an older checkpoint) is replaced, never taken for this run's."""
+        is not written again; any other checkpoint of that step in run.dir (one put there by hand: a
+        resume moved the later ones aside) is moved aside and replaced, never taken for this run's."""
         self.wait()
         held = self._held.get(step)
         if held is not None and _is_same(held, ckpt.checkpoint_dir(self.run_dir) / ckpt.step_name(step)):
