@@ -3,6 +3,7 @@ save_pretrained / from_pretrained, generates greedily like the GPT, and the CLI 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -231,3 +232,22 @@ def test_a_tokenizer_of_any_name_is_final_tokenizer_json_and_is_exported_and_ser
     export(run_dir, tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
     assert (servable_dir(run_dir) / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+
+
+def test_a_checkpoint_without_a_model_spec_is_a_clear_error_in_export_and_serving(tmp_path, capsys):
+    """An older ddptrain's checkpoint (no model spec in trainer.pt): exit 2 naming it, not a traceback."""
+    from ddptrain.serving.servable import ServableError, servable_dir
+    from ddptrain.train.checkpoint import MARKER, checkpoint_dir
+    from ddptrain.fsutil import sha256_file
+
+    step = checkpoint_dir(tmp_path / "run") / "step_00000002"
+    step.mkdir(parents=True)
+    torch.save({"step": 2, "world_size": 1}, step / "trainer.pt")
+    (step / MARKER).write_text(json.dumps({"step": 2, "sha256": {"trainer.pt": sha256_file(step / "trainer.pt")}}))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "run"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert f"{step} was written by an older ddptrain without a model spec" in capsys.readouterr().err
+    with pytest.raises(ServableError, match="without a model spec"):
+        servable_dir(tmp_path / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -236,8 +236,8 @@ def load_model(run_dir: str | Path) -> nn.Module:
 def _load_from_checkpoint(path: Path) -> nn.Module:
     state = ckpt.load_trainer_state(path)
     if "model_spec" not in state:
-        raise RuntimeError(f"{path} was written by an older ddptrain without a model spec; it cannot be loaded "
-                           "as a model (resume training to write final/)")
+        raise ckpt.CheckpointError(f"{path} was written by an older ddptrain without a model spec; it cannot be "
+                                   "loaded as a model (resume training to write final/)")
     spec = ModelSpec.from_dict(state["model_spec"])
     weights = ckpt.read_weights(path)
     adapter = adapter_of(spec)
