@@ -87,6 +87,7 @@ BAD_CONFIGS = [
     (["batch.micro_size=0"], 1, ["batch.micro_size=0 must be > 0"]),
     (["trainer.max_steps=-3"], 1, ["trainer.max_steps=-3 must be > 0"]),
     (["trainer.precision=fp8"], 1, ["trainer.precision='fp8' is not one of fp32, fp64, bf16, fp16"]),
+    (["optim.weight_decay=-0.1"], 1, ["config error: optim.weight_decay=-0.1 must be a finite number >= 0"]),
     (["trainer.max_stepz=3"], 1, ["max_stepz"]),
     (["batch.micro_tokens=100", "batch.seq_len=128"], 1, ["batch.micro_tokens=100 must be >= batch.seq_len=128"]),
     (["trainer.precision=fp64", "strategy=zero2"], 1, ["trainer.precision=fp64 is not supported with strategy=zero2"]),

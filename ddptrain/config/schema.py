@@ -24,7 +24,7 @@ class RunConfig:
     dir: str = "runs/default"
     """Run directory shared by every rank: metrics.jsonl, config.yaml, train.log, checkpoints."""
     seed: int = 1234
-    """Seed of the model init and of the data order (the global batch of step t depends on it)."""
+    """Seed of the model init and of the data order (the global batch of step t depends on it), in [0, 2**64)."""
 
 
 @dataclass
@@ -36,7 +36,7 @@ class TrainerConfig:
     precision: str = "fp32"
     """fp32 | fp64 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling)."""
     grad_clip: Optional[float] = 1.0
-    """Clip the global gradient norm to this value (null: no clipping)."""
+    """Clip the global gradient norm to this finite value (null: no clipping)."""
     empty_step: str = "skip"
     """A global batch without any valid target token: skip (no update, counted, warned) | stop."""
     nonfinite: str = "skip"
@@ -74,9 +74,9 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.1
-    """Decoupled weight decay on matrices (not on norms and biases)."""
+    """Decoupled weight decay (>= 0) on matrices (not on norms and biases)."""
     betas: list = field(default_factory=lambda: [0.9, 0.95])
-    """AdamW betas."""
+    """AdamW betas: two numbers in [0, 1)."""
     schedule: str = "cosine"
     """cosine | constant, after linear warmup."""
     warmup_steps: int = 20
@@ -84,7 +84,7 @@ class OptimConfig:
     decay_steps: Optional[int] = None
     """Length of the schedule (null: trainer.max_steps). Fix it to extend a run later without changing its schedule."""
     min_lr_ratio: float = 0.1
-    """Cosine floor as a fraction of lr."""
+    """Cosine floor as a fraction of lr, in [0, 1]."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import signal
 import typing
 from typing import Any
@@ -77,10 +78,12 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     for key in ("trainer.eval_every", "optim.warmup_steps", "checkpoint.every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
-    if cfg.trainer.grad_clip is not None and not cfg.trainer.grad_clip > 0:
-        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip!r} must be > 0 or null (no clipping)")
-    if not cfg.optim.lr > 0:
-        raise ConfigError(f"optim.lr={cfg.optim.lr!r} must be > 0")
+    if cfg.trainer.grad_clip is not None and not 0 < cfg.trainer.grad_clip < math.inf:
+        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip!r} must be a finite number > 0, or null (no "
+                          "clipping)")
+    if not 0 <= cfg.run.seed < 1 << 64:  # torch.manual_seed and numpy's generators take unsigned 64-bit seeds
+        raise ConfigError(f"run.seed={cfg.run.seed!r} must be in [0, 2**64)")
+    _validate_optim(cfg.optim)
     if not 0 <= cfg.data.val_percent < 100:
         raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
     if cfg.data.max_docs is not None and cfg.data.max_docs < 2:
@@ -104,8 +107,8 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     _validate_model(cfg.model)
     if not 0 <= cfg.objective.label_smoothing < 1:
         raise ConfigError(f"objective.label_smoothing={cfg.objective.label_smoothing!r} must be in [0, 1)")
-    if not cfg.objective.z_loss >= 0:
-        raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be >= 0")
+    if not 0 <= cfg.objective.z_loss < math.inf:
+        raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be a finite number >= 0")
     batch = cfg.batch
     if batch.micro_tokens is not None or batch.pack:
         if batch.micro_tokens is not None and batch.micro_tokens < batch.seq_len:
@@ -116,6 +119,25 @@ def _validate_values(cfg: Any, world_size: int) -> int:
             raise ConfigError(f"batch.global_size={batch.global_size} must be {rule} the world size {world_size}")
         return 0  # varies per step and rank
     return grad_accum_steps(batch.global_size, batch.micro_size, world_size)
+
+
+def _validate_optim(optim: Any) -> None:
+    """torch's optimizers check only their defaults, not the per-group weight decay ddptrain passes, and
+    LambdaLR takes any factor: a negative decay or floor would train, silently, the other way."""
+    if not 0 < optim.lr < math.inf:
+        raise ConfigError(f"optim.lr={optim.lr!r} must be a finite number > 0")
+    if not 0 <= optim.weight_decay < math.inf:
+        raise ConfigError(f"optim.weight_decay={optim.weight_decay!r} must be a finite number >= 0")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={optim.min_lr_ratio!r} must be in [0, 1] (the cosine floor as a "
+                          "fraction of optim.lr)")
+    betas = list(optim.betas)
+    if len(betas) != 2 or not all(_is_real(beta) and 0 <= beta < 1 for beta in betas):
+        raise ConfigError(f"optim.betas={betas!r} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _validate_attention(trainer: Any) -> None:
