@@ -42,3 +42,44 @@ def test_the_numeric_bounds_still_take_their_edges():
                  "trainer.grad_clip=null", "objective.z_loss=0"]
     assert validate_run(compose_config(overrides), 1) == 2
     assert validate_run(compose_config(["optim.min_lr_ratio=1"]), 1) == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data=jsonl", "data.paths=[c.jsonl]", "data.split_by=paragraph"],
+     "data.split_by='paragraph' is read only when data.name is text, and this run has data.name='jsonl'"),
+    (["data=text", "data.paths=[c.txt]", "data.field=body"],
+     "data.field='body' is read only when data.name is jsonl or hf, and this run has data.name='text'"),
+    (["data=text", "data.paths=[c.txt]", "data.dtype=uint32"],
+     "data.dtype='uint32' is read only when data.name is tokens"),
+    (["data.train_on=last_assistant"], "data.train_on='last_assistant' is read only when data.name is sft"),
+    (["data.on_decode_error=error"],  # stdlib replaces undecodable bytes whatever the policy
+     "data.on_decode_error='error' is read only when data.name is text or jsonl or hf or sft"),
+    (["data=text", "data.paths=[a.txt]", "data.val_paths=[b.txt]", "data.val_percent=20"],
+     "data.val_percent=20.0 is read only when data.val_paths is empty, and this run has data.val_paths=['b.txt']"),
+    (["optim=sgd", "optim.betas=[0.8,0.9]"], "optim.betas=[0.8, 0.9] is read only when optim.name is adamw"),
+    (["optim.schedule=constant", "optim.min_lr_ratio=0.5"],
+     "optim.min_lr_ratio=0.5 is read only when optim.schedule is cosine, and this run has optim.schedule='constant'"),
+    (["optim.schedule=constant", "optim.decay_steps=50"], "optim.decay_steps=50 is read only when optim.schedule is"),
+    (["logger.wandb.project=mine"],  # logger=wandb (or a mode) was forgotten: nothing would be logged to it
+     "logger.wandb.project='mine' is read only when logger.wandb.mode is online or offline, and this run has "
+     "logger.wandb.mode='disabled'"),
+    (["trainer.attention=mask"], "trainer.attention=mask applies to packed rows only (batch.pack=true)"),
+    (["model=hf", "model.path=/models/base", "model.lora.target_modules=[q_proj]"],
+     "model.lora.target_modules=['q_proj'] is read only with LoRA on, and this run has model.lora.r=0: every "
+     "weight would train"),
+    (["model=hf", "model.path=/models/base", "model.lora.r=null", "model.lora.alpha=32"],
+     "model.lora.alpha=32.0 is read only with LoRA on"),
+])
+def test_a_key_the_run_would_not_read_is_refused_instead_of_ignored(overrides, message):
+    assert message in _refusal(overrides)
+
+
+def test_the_same_keys_are_taken_where_the_run_reads_them_or_left_at_their_defaults():
+    for overrides in (["data=text", "data.paths=[c.txt]", "data.split_by=paragraph"],
+                      ["data=jsonl", "data.paths=[c.jsonl]", "data.field=body", "data.on_decode_error=error"],
+                      ["data=text", "data.paths=[a.txt]", "data.val_paths=[b.txt]", "data.split_by=file"],
+                      ["optim=sgd"], ["optim.schedule=cosine", "optim.min_lr_ratio=0.5", "optim.decay_steps=50"],
+                      ["logger=wandb", "logger.wandb.project=mine", "logger.wandb.name=first"],
+                      ["trainer.attention=mask", "batch.pack=true"],
+                      ["model=hf", "model.path=/models/base", "model.lora.r=4", "model.lora.target_modules=[q_proj]"]):
+        assert validate_run(compose_config(overrides), 1) >= 0, overrides

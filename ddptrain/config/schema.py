@@ -7,10 +7,11 @@ ddptrain/config/validation.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from ddptrain.config.choices import ATTN_IMPLEMENTATIONS
 
@@ -152,6 +153,13 @@ class HFModelConfig:
         lora = typed.lora
         if lora.r is not None and lora.r < 0:
             raise ConfigError(f"model.lora.r={lora.r} must be >= 0 (0 or null: no LoRA)")
+        if not lora.r:  # LoRA off: every weight trains, and a LoRA setting would be ignored
+            given, defaults = OmegaConf.to_container(lora), dataclasses.asdict(LoRAConfig())
+            for key in ("alpha", "dropout", "target_modules"):
+                if given[key] != defaults[key]:
+                    raise ConfigError(f"model.lora.{key}={given[key]!r} is read only with LoRA on, and this run has "
+                                      f"model.lora.r={lora.r}: every weight would train; set model.lora.r > 0, or "
+                                      "leave it out")
         if lora.r:
             if not lora.alpha > 0:
                 raise ConfigError(f"model.lora.alpha={lora.alpha!r} must be > 0")

@@ -14,11 +14,11 @@ import typing
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddptrain.config import choices
-from ddptrain.config.schema import MODEL_SCHEMAS, ConfigError, TrainConfig
+from ddptrain.config.schema import MODEL_SCHEMAS, ConfigError, DataConfig, OptimConfig, TrainConfig, WandbConfig
 from ddptrain.distributed import replicate_degree
 
 _CHOICES = {
@@ -39,6 +39,23 @@ _CHOICES = {
     "logger.progress": choices.PROGRESS_MODES,
 }
 """Each enumerated key and where its values are declared."""
+
+_SFT_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "train_on", "truncation")
+_READ_ONLY_WHEN = (
+    ("data.split_by", DataConfig, "data.name", ("text",)),
+    ("data.field", DataConfig, "data.name", ("jsonl", "hf")),
+    ("data.dtype", DataConfig, "data.name", ("tokens",)),
+    ("data.on_decode_error", DataConfig, "data.name", ("text", "jsonl", "hf", "sft")),  # stdlib always replaces
+    *((f"data.{key}", DataConfig, "data.name", ("sft",)) for key in _SFT_KEYS),
+    ("data.val_percent", DataConfig, "data.val_paths", ([],)),
+    ("optim.betas", OptimConfig, "optim.name", ("adamw",)),
+    ("optim.min_lr_ratio", OptimConfig, "optim.schedule", ("cosine",)),
+    ("optim.decay_steps", OptimConfig, "optim.schedule", ("cosine",)),
+    ("logger.wandb.project", WandbConfig, "logger.wandb.mode", ("online", "offline")),
+    ("logger.wandb.name", WandbConfig, "logger.wandb.mode", ("online", "offline")),
+)
+"""(key, its section's schema, the key that decides whether the run reads it, the values with which it
+does): a key set away from its default where the run never reads it is refused, not ignored."""
 
 _POSITIVE = (
     "trainer.max_steps", "trainer.log_every", "trainer.eval_examples", "batch.global_size", "batch.micro_size",
@@ -89,6 +106,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     if cfg.data.max_docs is not None and cfg.data.max_docs < 2:
         raise ConfigError(f"data.max_docs={cfg.data.max_docs!r} must be >= 2 (or null for all documents)")
     _validate_data(cfg.data)
+    _refuse_unread_keys(cfg)
     if cfg.logger.peak_flops is not None and not cfg.logger.peak_flops > 0:
         raise ConfigError(f"logger.peak_flops={cfg.logger.peak_flops!r} must be > 0 or null (from the device table)")
     if cfg.checkpoint.keep < 1:
@@ -103,7 +121,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
         raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
     _validate_strategy(cfg.strategy, cfg.trainer.precision, world_size)
-    _validate_attention(cfg.trainer)
+    _validate_attention(cfg.trainer, cfg.batch.pack)
     _validate_model(cfg.model)
     if not 0 <= cfg.objective.label_smoothing < 1:
         raise ConfigError(f"objective.label_smoothing={cfg.objective.label_smoothing!r} must be in [0, 1)")
@@ -140,9 +158,30 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _validate_attention(trainer: Any) -> None:
+def _refuse_unread_keys(cfg: Any) -> None:
+    for dotted, schema, decider, reading in _READ_ONLY_WHEN:
+        value, decided = _plain(_get(cfg, dotted)), _plain(_get(cfg, decider))
+        if decided not in reading and value != _default(schema, dotted.rsplit(".", 1)[1]):
+            when = "empty" if decider == "data.val_paths" else " or ".join(reading)
+            raise ConfigError(f"{dotted}={value!r} is read only when {decider} is {when}, and this run has "
+                              f"{decider}={decided!r}: it would be ignored; leave it out")
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def _default(schema, name: str) -> Any:
+    field = next(f for f in dataclasses.fields(schema) if f.name == name)
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def _validate_attention(trainer: Any, pack: bool) -> None:
     """A forced backend must exist on this machine (the device follows CUDA's availability, as in
-    ddptrain.distributed) and in trainer.precision."""
+    ddptrain.distributed) and in trainer.precision; only packed rows read it."""
+    if trainer.attention != "auto" and not pack:
+        raise ConfigError(f"trainer.attention={trainer.attention} applies to packed rows only (batch.pack=true); "
+                          "without packing each row is one document under plain causal attention: leave it out")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     refusal = choices.attention_refusal(trainer.attention, device_type, trainer.precision)
     if refusal is not None:
