@@ -83,3 +83,17 @@ def test_the_same_keys_are_taken_where_the_run_reads_them_or_left_at_their_defau
                       ["trainer.attention=mask", "batch.pack=true"],
                       ["model=hf", "model.path=/models/base", "model.lora.r=4", "model.lora.target_modules=[q_proj]"]):
         assert validate_run(compose_config(overrides), 1) >= 0, overrides
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    # Path("") is the working directory: the run wrote config.yaml, checkpoints and final/ into it
+    (["run.dir="], 1, "run.dir='' is empty: give the run's directory"),
+    # signal.signal raised OSError after the process group had started
+    (["checkpoint.preempt_signals=[SIGTERM,SIGKILL]"], 1, "checkpoint.preempt_signals has SIGKILL, which no process "
+                                                          "can catch"),
+    # DDP's int(nan * 2**20) failed in setup, on 2 ranks; a bucket <= 0 MiB was taken as is
+    (["strategy.bucket_cap_mb=nan"], 2, "strategy.bucket_cap_mb=nan must be a finite number > 0"),
+    (["strategy.bucket_cap_mb=-1"], 2, "strategy.bucket_cap_mb=-1.0 must be a finite number > 0"),
+])
+def test_values_that_failed_after_start_up_or_wrote_elsewhere_are_refused_first(overrides, world_size, message):
+    assert message in _refusal(overrides, world_size)

@@ -70,21 +70,36 @@ RESUME_MODES = ("auto", "none")
 
 
 @dataclass
-class DDPOptions:
-    bucket_cap_mb: float = 25.0
-    """DDP gradient bucket size."""
-    find_unused_parameters: bool = False
-    """Allow parameters that get no gradient in a step."""
+class StrategyOptions:
+    """A strategy's options: the fields of its section, and the rules on their values."""
+
+    def refusal(self) -> str | None:
+        """Why these values cannot run (naming the key, the value and the rule); None if they can."""
+        return None
 
 
 @dataclass
-class ZeROOptions:
+class DDPOptions(StrategyOptions):
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB (> 0, finite)."""
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in a step."""
+
+    def refusal(self) -> str | None:
+        # DDP takes int(bucket_cap_mb * 2**20): nan fails once the group is up, and <= 0 buckets each tensor alone
+        if not 0 < self.bucket_cap_mb < float("inf"):
+            return f"strategy.bucket_cap_mb={self.bucket_cap_mb!r} must be a finite number > 0 (MiB per bucket)"
+        return None
+
+
+@dataclass
+class ZeROOptions(StrategyOptions):
     deepspeed: dict = field(default_factory=dict)
     """Extra DeepSpeed config keys, merged into the config ddptrain derives and checked against it."""
 
 
 @dataclass
-class FSDPOptions:
+class FSDPOptions(StrategyOptions):
     reshard_after_forward: bool = True
     """Free gathered weights after each forward (less memory, one more all-gather in backward)."""
     shard_modules: list = field(default_factory=list)

@@ -100,6 +100,9 @@ def _validate_values(cfg: Any, world_size: int) -> int:
                           "clipping)")
     if not 0 <= cfg.run.seed < 1 << 64:  # torch.manual_seed and numpy's generators take unsigned 64-bit seeds
         raise ConfigError(f"run.seed={cfg.run.seed!r} must be in [0, 2**64)")
+    if not str(cfg.run.dir).strip():  # Path("") is the working directory: the run would write into it
+        raise ConfigError(f"run.dir={cfg.run.dir!r} is empty: give the run's directory, e.g. run.dir=runs/mine "
+                          "(run.dir=. for the working directory)")
     _validate_optim(cfg.optim)
     if not 0 <= cfg.data.val_percent < 100:
         raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
@@ -114,6 +117,9 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     for name in cfg.checkpoint.preempt_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preempt_signals has {name!r}, which is not a signal name like SIGUSR1")
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(f"checkpoint.preempt_signals has {name}, which no process can catch (the run would "
+                              "fail installing its handler); use SIGTERM or SIGUSR1")
     if not cfg.checkpoint.preempt_check_every > 0:
         raise ConfigError(f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every!r} must be > 0")
     if not cfg.checkpoint.preempt_grace_s > 0:
@@ -251,9 +257,12 @@ def _validate_strategy(strategy: Any, precision: str, world_size: int) -> None:
         if key not in known:
             raise _unknown_key_error(str(key), ["name", *known], "strategy.")
     try:
-        OmegaConf.merge(OmegaConf.structured(choice.options), options)
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(choice.options), options))
     except OmegaConfBaseException as error:
         raise ConfigError(f"strategy.{error.full_key}: {str(error).splitlines()[0]} (strategy={name})") from None
+    refusal = typed.refusal()
+    if refusal is not None:
+        raise ConfigError(f"{refusal} (strategy={name})")
     if precision not in choice.precisions:
         raise ConfigError(f"trainer.precision={precision} is not supported with strategy={name} (it supports "
                           f"{', '.join(choice.precisions)})")
