@@ -97,3 +97,10 @@ def test_the_same_keys_are_taken_where_the_run_reads_them_or_left_at_their_defau
 ])
 def test_values_that_failed_after_start_up_or_wrote_elsewhere_are_refused_first(overrides, world_size, message):
     assert message in _refusal(overrides, world_size)
+
+
+def test_a_warmup_longer_than_the_fixed_schedule_is_refused():
+    # the cosine's progress is clamped: past decay_steps the lr sat at its floor from the step after warmup on
+    message = _refusal(["optim.warmup_steps=20", "optim.decay_steps=10"])
+    assert "optim.warmup_steps=20 must be <= optim.decay_steps=10, the schedule's length" in message
+    assert validate_run(compose_config(["optim.warmup_steps=10", "optim.decay_steps=10"]), 1) == 2

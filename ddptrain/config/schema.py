@@ -81,7 +81,7 @@ class OptimConfig:
     schedule: str = "cosine"
     """cosine | constant, after linear warmup."""
     warmup_steps: int = 20
-    """Linear warmup steps."""
+    """Linear warmup steps (at most optim.decay_steps, when that is set)."""
     decay_steps: Optional[int] = None
     """Length of the schedule (null: trainer.max_steps). Fix it to extend a run later without changing its schedule."""
     min_lr_ratio: float = 0.1

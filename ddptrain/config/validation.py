@@ -155,6 +155,9 @@ def _validate_optim(optim: Any) -> None:
     if not 0 <= optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio={optim.min_lr_ratio!r} must be in [0, 1] (the cosine floor as a "
                           "fraction of optim.lr)")
+    if optim.schedule == "cosine" and optim.decay_steps is not None and optim.warmup_steps > optim.decay_steps:
+        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be <= optim.decay_steps={optim.decay_steps}, "
+                          "the schedule's length (the cosine would drop to its floor the step after warmup)")
     betas = list(optim.betas)
     if len(betas) != 2 or not all(_is_real(beta) and 0 <= beta < 1 for beta in betas):
         raise ConfigError(f"optim.betas={betas!r} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
