@@ -104,3 +104,19 @@ def test_a_warmup_longer_than_the_fixed_schedule_is_refused():
     message = _refusal(["optim.warmup_steps=20", "optim.decay_steps=10"])
     assert "optim.warmup_steps=20 must be <= optim.decay_steps=10, the schedule's length" in message
     assert validate_run(compose_config(["optim.warmup_steps=10", "optim.decay_steps=10"]), 1) == 2
+
+
+def test_data_vocab_size_sizes_the_model_on_the_default_data_as_on_every_source():
+    from ddptrain.data import DataError, load_splits
+    from ddptrain.train.builder import build_model
+
+    # stdlib ignored it: the run built a 256-id model while ddptrain.plan counted data.vocab_size's
+    cfg = compose_config(["data.vocab_size=512", "data.max_docs=4", "model.n_layer=1", "model.n_embd=32",
+                          "model.n_head=2", "batch.seq_len=32"])
+    splits = load_splits(cfg.data, cfg.batch.seq_len)
+    assert splits.vocab_size == 512
+    model, _, _ = build_model(cfg, splits.vocab_size)
+    assert model.tok_emb.num_embeddings == 512
+    cfg.data.vocab_size = 100
+    with pytest.raises(DataError, match=r"data.vocab_size=100 is smaller than the vocabulary of the tokenizer byte"):
+        load_splits(cfg.data, cfg.batch.seq_len)

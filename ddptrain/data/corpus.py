@@ -34,8 +34,11 @@ _CHUNK = 1 << 24  # tokens per pass over a token file (bounded memory for any fi
 
 def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
     """DataSplits of a `text | jsonl | tokens | hf | sft` source (see DataConfig), through the cache."""
-    if data_cfg.name == "stdlib":
-        return load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs, load_tokenizer(data_cfg.tokenizer))
+    if data_cfg.name == "stdlib":  # data.vocab_size as for every source (ddptrain.plan counts the model with it)
+        tokenizer = load_tokenizer(data_cfg.tokenizer)
+        splits = load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs, tokenizer)
+        splits.vocab_size = _vocab_size(data_cfg, tokenizer, {})
+        return splits
     is_sft = data_cfg.name == "sft"
     if is_sft:
         tokenizer = ChatTokenizer(data_cfg.tokenizer, data_cfg.chat_template)
