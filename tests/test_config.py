@@ -56,6 +56,8 @@ def test_the_numeric_bounds_still_take_their_edges():
      "data.on_decode_error='error' is read only when data.name is text or jsonl or hf or sft"),
     (["data=text", "data.paths=[a.txt]", "data.val_paths=[b.txt]", "data.val_percent=20"],
      "data.val_percent=20.0 is read only when data.val_paths is empty, and this run has data.val_paths=['b.txt']"),
+    (["data.cache_dir=/scratch/cache"],  # stdlib is tokenized in memory, never cached
+     "data.cache_dir='/scratch/cache' is read only when data.name is text or jsonl or tokens or hf or sft"),
     (["optim=sgd", "optim.betas=[0.8,0.9]"], "optim.betas=[0.8, 0.9] is read only when optim.name is adamw"),
     (["optim.schedule=constant", "optim.min_lr_ratio=0.5"],
      "optim.min_lr_ratio=0.5 is read only when optim.schedule is cosine, and this run has optim.schedule='constant'"),
@@ -77,7 +79,8 @@ def test_a_key_the_run_would_not_read_is_refused_instead_of_ignored(overrides, m
 def test_the_same_keys_are_taken_where_the_run_reads_them_or_left_at_their_defaults():
     for overrides in (["data=text", "data.paths=[c.txt]", "data.split_by=paragraph"],
                       ["data=jsonl", "data.paths=[c.jsonl]", "data.field=body", "data.on_decode_error=error"],
-                      ["data=text", "data.paths=[a.txt]", "data.val_paths=[b.txt]", "data.split_by=file"],
+                      ["data=text", "data.paths=[a.txt]", "data.val_paths=[b.txt]", "data.split_by=file",
+                       "data.cache_dir=/scratch/cache"],
                       ["optim=sgd"], ["optim.schedule=cosine", "optim.min_lr_ratio=0.5", "optim.decay_steps=50"],
                       ["logger=wandb", "logger.wandb.project=mine", "logger.wandb.name=first"],
                       ["trainer.attention=mask", "batch.pack=true"],

@@ -48,6 +48,7 @@ _READ_ONLY_WHEN = (
     ("data.on_decode_error", DataConfig, "data.name", ("text", "jsonl", "hf", "sft")),  # stdlib always replaces
     *((f"data.{key}", DataConfig, "data.name", ("sft",)) for key in _SFT_KEYS),
     ("data.val_percent", DataConfig, "data.val_paths", ([],)),
+    ("data.cache_dir", DataConfig, "data.name", ("text", "jsonl", "tokens", "hf", "sft")),  # stdlib: in memory
     ("optim.betas", OptimConfig, "optim.name", ("adamw",)),
     ("optim.min_lr_ratio", OptimConfig, "optim.schedule", ("cosine",)),
     ("optim.decay_steps", OptimConfig, "optim.schedule", ("cosine",)),
