@@ -113,20 +113,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     _refuse_unread_keys(cfg)
     if cfg.logger.peak_flops is not None and not cfg.logger.peak_flops > 0:
         raise ConfigError(f"logger.peak_flops={cfg.logger.peak_flops!r} must be > 0 or null (from the device table)")
-    if cfg.checkpoint.keep < 1:
-        raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep!r} must be >= 1")
-    for name in cfg.checkpoint.preempt_signals:
-        if not isinstance(getattr(signal, str(name), None), signal.Signals):
-            raise ConfigError(f"checkpoint.preempt_signals has {name!r}, which is not a signal name like SIGUSR1")
-        if name in ("SIGKILL", "SIGSTOP"):
-            raise ConfigError(f"checkpoint.preempt_signals has {name}, which no process can catch (the run would "
-                              "fail installing its handler); use SIGTERM or SIGUSR1")
-    if not cfg.checkpoint.preempt_check_every > 0:
-        raise ConfigError(f"checkpoint.preempt_check_every={cfg.checkpoint.preempt_check_every!r} must be > 0")
-    if not cfg.checkpoint.preempt_grace_s > 0:
-        raise ConfigError(f"checkpoint.preempt_grace_s={cfg.checkpoint.preempt_grace_s!r} must be > 0")
-    if not 0 <= cfg.checkpoint.preempt_exit_code <= 255:
-        raise ConfigError(f"checkpoint.preempt_exit_code={cfg.checkpoint.preempt_exit_code!r} must be in [0, 255]")
+    _validate_checkpoint(cfg.checkpoint)
     _validate_strategy(cfg.strategy, cfg.trainer.precision, world_size)
     _validate_attention(cfg.trainer, cfg.batch.pack)
     _validate_model(cfg.model)
@@ -144,6 +131,23 @@ def _validate_values(cfg: Any, world_size: int) -> int:
             raise ConfigError(f"batch.global_size={batch.global_size} must be {rule} the world size {world_size}")
         return 0  # varies per step and rank
     return grad_accum_steps(batch.global_size, batch.micro_size, world_size)
+
+
+def _validate_checkpoint(checkpoint: Any) -> None:
+    if checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={checkpoint.keep!r} must be >= 1")
+    for name in checkpoint.preempt_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals):
+            raise ConfigError(f"checkpoint.preempt_signals has {name!r}, which is not a signal name like SIGUSR1")
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(f"checkpoint.preempt_signals has {name}, which no process can catch (the run would "
+                              "fail installing its handler); use SIGTERM or SIGUSR1")
+    if not checkpoint.preempt_check_every > 0:
+        raise ConfigError(f"checkpoint.preempt_check_every={checkpoint.preempt_check_every!r} must be > 0")
+    if not checkpoint.preempt_grace_s > 0:
+        raise ConfigError(f"checkpoint.preempt_grace_s={checkpoint.preempt_grace_s!r} must be > 0")
+    if not 0 <= checkpoint.preempt_exit_code <= 255:
+        raise ConfigError(f"checkpoint.preempt_exit_code={checkpoint.preempt_exit_code!r} must be in [0, 255]")
 
 
 def _validate_optim(optim: Any) -> None:
