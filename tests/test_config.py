@@ -123,3 +123,23 @@ def test_data_vocab_size_sizes_the_model_on_the_default_data_as_on_every_source(
     cfg.data.vocab_size = 100
     with pytest.raises(DataError, match=r"data.vocab_size=100 is smaller than the vocabulary of the tokenizer byte"):
         load_splits(cfg.data, cfg.batch.seq_len)
+
+
+def test_a_warmup_longer_than_the_run_is_named_at_start_up_with_the_peak_it_reaches(caplog):
+    """optim.warmup_steps > trainer.max_steps: the run ends inside the warmup and never trains at optim.lr."""
+    from torch import nn
+
+    from ddptrain.train.builder import optimizer_and_schedule
+
+    with caplog.at_level("WARNING", logger="ddptrain"):
+        optimizer, scheduler = optimizer_and_schedule(
+            compose_config(["trainer.max_steps=10", "optim.warmup_steps=40", "optim.lr=0.001"]), nn.Linear(2, 2))
+        for _ in range(9):
+            optimizer.step()
+            scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.001 * 10 / 40), "the last step's lr is the peak"
+    assert "optim.warmup_steps=40 > trainer.max_steps=10" in caplog.text and "peaks at 0.00025" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ddptrain"):
+        optimizer_and_schedule(compose_config(["trainer.max_steps=40", "optim.warmup_steps=40"]), nn.Linear(2, 2))
+    assert "warmup" not in caplog.text

@@ -126,6 +126,11 @@ def optimizer_and_schedule(cfg, model: nn.Module):
     optim = cfg.optim
     optimizer = build_optimizer(model, optim.name, optim.lr, optim.weight_decay, tuple(optim.betas))
     scheduler = build_scheduler(optimizer, optim.schedule, optim.warmup_steps, decay_steps(cfg), optim.min_lr_ratio)
+    if optim.warmup_steps > cfg.trainer.max_steps:  # step s trains at (s + 1) / warmup_steps x lr
+        log.warning("optim.warmup_steps=%d > trainer.max_steps=%d: the run ends inside the warmup, so its learning "
+                    "rate peaks at %.3g (%d/%d of optim.lr=%g) and never reaches optim.lr; lower optim.warmup_steps",
+                    optim.warmup_steps, cfg.trainer.max_steps, optim.lr * cfg.trainer.max_steps / optim.warmup_steps,
+                    cfg.trainer.max_steps, optim.warmup_steps, optim.lr)
     return optimizer, scheduler
 
 
