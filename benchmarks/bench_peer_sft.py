@@ -49,7 +49,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_peer import BETAS, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, execute, torchrun, windowed_rates
+from benchmarks.peer_common import BETAS, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, execute, torchrun, windowed_rates
 
 CONTENDERS = ("ddptrain-micro", "ddptrain-budget", "ddptrain-pack", "trl")
 WORKER = Path(__file__).with_name("trl_sft_worker.py")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_peer import BETAS, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, packed_rows, stdlib_glob, \
+from benchmarks.peer_common import BETAS, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, packed_rows, stdlib_glob, \
     training_examples, write_model_dir
 
 LOOPS = ("engine-pack", "engine-group", "hand-group")

@@ -60,6 +60,24 @@ def test_memory_benchmark_compares_ddp_and_zero1():
         "LoRA's optimizer state is the adapter's, and zero1 partitions it"
 
 
+def test_peer_benchmark_compares_packed_rows_with_the_trainers_group_by_length():
+    import_optional("transformers")
+    # Two contenders keep it short (each is a 2-rank torchrun); the others print the same rows.
+    out = _run("benchmarks.bench_peer", "--contenders", "ddptrain-pack,hf-group", "--rounds", "1", "--steps", "6",
+               "--log-every", "2", "--seq-len", "128", "--width", "32", "--layers", "1")
+    assert out.startswith("benchmarks.bench_peer: Llama 1 x 32, seq_len 128, "), out
+    lines = out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines
+            if line.split()[:1] in (["ddptrain-pack"], ["hf-group"]) and "/" not in line}
+    rate = {name: float(values[0].replace(",", "")) for name, values in rows.items()}
+    efficiency = {name: float(values[1]) for name, values in rows.items()}
+    assert sorted(rows) == ["ddptrain-pack", "hf-group"] and all(r > 0 for r in rate.values()), out
+    assert 0 < efficiency["hf-group"] <= efficiency["ddptrain-pack"] <= 1, out
+    line = next(line for line in lines if line.startswith("ddptrain-pack / hf-group: median ratio "))
+    assert float(line.split()[5]) == pytest.approx(rate["ddptrain-pack"] / rate["hf-group"], abs=0.006), out
+    assert float(line.split()[-1]) == pytest.approx(efficiency["ddptrain-pack"] / efficiency["hf-group"], abs=0.006)
+
+
 def test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl():
     import_optional("trl")
     # Two contenders keep it short (each is a 2-rank torchrun); the other layouts print the same rows.
