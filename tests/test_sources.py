@@ -266,6 +266,38 @@ def test_hf_datasets_from_local_files_and_a_saved_directory(tmp_path):
         _load(tmp_path, "hf", [saved], field="text")
 
 
+def test_empty_and_whitespace_only_hf_rows_and_jsonl_fields_are_no_documents(tmp_path, caplog):
+    """As a whitespace-only text file: a Hugging Face row (a saved dataset, or a blank line of a .txt
+    through datasets) or a JSONL field of nothing but whitespace is no document: not trained on, not a
+    too-short one, not one of data.max_docs; the other rows keep their names (where#row), so their split
+    is the one of the hash. U+3000 is no ASCII whitespace: kept, as a text file holding it is."""
+    datasets = import_optional("datasets")
+    blanks = ["", "   ", "\n\t", "\r\n"]
+    texts, numbers = [], []  # every row, and the row number of each real one
+    for i in range(30):
+        texts.append(f"row {i} " * 3 if i != 7 else "\u3000\u3000")
+        numbers.append(len(texts) - 1)
+        if i % 3 == 0:
+            texts.append(blanks[i % len(blanks)])
+    real = [texts[n] for n in numbers]
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"text": t} for t in texts]).save_to_disk(str(saved))
+    jsonl = _write(tmp_path, "rows.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts).encode())
+    lines = _write(tmp_path, "lines.txt", "".join(t.strip("\r\n") + "\n" for t in texts).encode())
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        from_disk = _load(tmp_path, "hf", [saved], field="text", val_percent=20.0, max_docs=25)
+        from_jsonl = _load(tmp_path, "jsonl", [jsonl], field="text", val_percent=20.0, max_docs=25)
+        from_lines = _load(tmp_path, "hf", [lines], field="text", val_percent=0.0)
+    for data in (from_disk, from_jsonl):
+        assert data.train.documents + data.val.documents == 25, "data.max_docs counts documents, not blank rows"
+        assert sorted(_docs(data.train) + _docs(data.val)) == sorted(t.encode() for t in real[:25])
+    split_name = sources.SplitNames([saved])  # the row's number counts the blank rows before it
+    expected_val = {texts[n].encode() for n in numbers[:25] if sources.is_validation(split_name(f"{saved}#{n}"), 20.0)}
+    assert set(_docs(from_disk.val)) == expected_val and expected_val
+    assert sorted(_docs(from_lines.train) + _docs(from_lines.val)) == sorted(t.encode() for t in real)
+    assert "shorter than 2 tokens" not in caplog.text
+
+
 # -- the cache -------------------------------------------------------------------------------------
 
 def test_cache_is_reused_10x_faster_and_rebuilt_when_a_source_changes(tmp_path, caplog):

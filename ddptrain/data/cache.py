@@ -38,10 +38,11 @@ from ddptrain.fsutil import fsync_file, pid_is_running, rename
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 """2: the hash split reads names relative to the sources' directory (SplitNames); 3: a tokenizer.json's
 saved truncation and padding are switched off (ddptrain.data.tokenizer.HFTokenizer); 4: blank JSONL
-lines and whitespace-only text files are no documents (data.max_docs and the short count skip them)."""
+lines and whitespace-only text files are no documents (data.max_docs and the short count skip them); 5:
+nor are empty or whitespace-only JSONL fields and Hugging Face rows (data=jsonl, data=hf)."""
 _META = "meta.json"
 
 

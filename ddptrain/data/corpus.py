@@ -21,8 +21,9 @@ from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cach
                                  file_stamp, open_tokens, relative_stamps)
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import DataSplits, TokenExamples, assign_splits
-from ddptrain.data.sources import (DataError, SplitNames, TextDecoder, expand_paths, hf_documents, is_validation,
-                                   jsonl_documents, text_documents, token_documents, token_file, warn_replaced)
+from ddptrain.data.sources import (DataError, SplitNames, TextDecoder, expand_paths, hf_documents, is_blank,
+                                   is_validation, jsonl_documents, text_documents, token_documents, token_file,
+                                   warn_replaced)
 from ddptrain.data.stdlib import load_stdlib
 from ddptrain.data.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -145,7 +146,9 @@ def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path
 def _documents(data_cfg, train_files, val_files, hf_cache, progress,
                decoder: TextDecoder) -> Iterator[tuple[str, Any, bool]]:
     """(name, payload, is validation) of every document, up to data.max_docs of data.paths and as many
-    of data.val_paths (as data=tokens counts them)."""
+    of data.val_paths (as data=tokens counts them). Text that is empty or nothing but whitespace (a
+    JSONL field, a Hugging Face row, a text file) is no document in any source: not trained on, not a
+    too-short one, not counted by data.max_docs; the others keep their names (file:line, dataset#row)."""
     groups = [(train_files, None), (val_files, True)] if val_files else [(train_files, None)]
     split_name = SplitNames(train_files)
     for files, validation in groups:
@@ -157,7 +160,7 @@ def _documents(data_cfg, train_files, val_files, hf_cache, progress,
         else:
             stream = hf_documents(files, data_cfg.field, "validation" if validation else "train", hf_cache)
         for name, payload, read in stream:
-            if payload is None:  # a blank JSONL line or whitespace-only file: no document, not counted
+            if payload is None or is_blank(payload):  # a blank JSONL line, a whitespace-only file, field or row
                 progress.update(read)
                 continue
             if data_cfg.max_docs is not None and count >= data_cfg.max_docs:

@@ -25,6 +25,7 @@ import numpy as np
 _SKIPPED_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _BLANK_LINES = re.compile(rb"\n[ \t\r\f\v]*\n")
+_WHITESPACE = " \t\n\r\v\f"  # what bytes.strip() strips
 
 
 log = logging.getLogger(__name__)
@@ -158,12 +159,19 @@ def read_bytes(path: Path) -> bytes:
         return path.read_bytes()
 
 
+def is_blank(payload: str | bytes) -> bool:
+    """Empty or nothing but ASCII whitespace: a text that holds no document. What bytes.strip() strips,
+    for text too, so a document is kept or dropped alike whether a text file, a JSONL field or a Hugging
+    Face row holds it (str.strip would also strip U+3000 and U+001C..U+001F, which bytes keep)."""
+    return not (payload.strip(_WHITESPACE) if isinstance(payload, str) else payload.strip())
+
+
 def text_documents(files: list[Path], split_by: str = "file") -> Iterator[tuple[str, bytes | None, int]]:
     """(name, bytes, bytes read): one document per file, or per blank-line-separated paragraph; None
     for a file of nothing but whitespace, which holds no document."""
     for path in files:
         data = read_bytes(path)
-        if not data.strip():
+        if is_blank(data):
             yield str(path), None, len(data)
         elif split_by == "paragraph":
             pieces = [p.strip() for p in _BLANK_LINES.split(data)]
