@@ -46,8 +46,10 @@ def _start_collecting() -> None:
 if __name__ == "__main__":
     _start_collecting()
 
-_KINDS = ((DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"), (RunDirError, "run.dir"))
-"""Errors that are the user's to fix: a clear message on every rank and exit code 2."""
+_KINDS = ((ConfigError, "config"), (DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"),
+          (RunDirError, "run.dir"))
+"""Errors that are the user's to fix: a clear message on every rank and exit code 2. A ConfigError
+here is a rule that needs the built model (strategy.shard_modules names its classes)."""
 
 
 _PEER_GRACE_S = 3.0

@@ -97,6 +97,9 @@ def test_the_same_keys_are_taken_where_the_run_reads_them_or_left_at_their_defau
     # DDP's int(nan * 2**20) failed in setup, on 2 ranks; a bucket <= 0 MiB was taken as is
     (["strategy.bucket_cap_mb=nan"], 2, "strategy.bucket_cap_mb=nan must be a finite number > 0"),
     (["strategy.bucket_cap_mb=-1"], 2, "strategy.bucket_cap_mb=-1.0 must be a finite number > 0"),
+    # a number is no class name: FSDP setup compared it with the model's classes after the group had started
+    (["strategy=fsdp", "strategy.shard_modules=[1]"], 2, "strategy.shard_modules=[1] must be a list of module class "
+                                                         "names"),
 ])
 def test_values_that_failed_after_start_up_or_wrote_elsewhere_are_refused_first(overrides, world_size, message):
     assert message in _refusal(overrides, world_size)

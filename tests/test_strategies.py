@@ -158,6 +158,28 @@ def test_token_budgets_and_packing_run_under_zero(strategy, ddp_budget_curves):
     _same(packed, 2e-5)
 
 
+def test_an_unknown_shard_module_is_refused_before_the_process_group_naming_the_classes_there_are(tmp_path):
+    """strategy.shard_modules names classes of the built model: before, a typo was a ValueError traceback
+    (exit code 1) after the process group and the device mesh had started, naming no valid class."""
+    import torch.distributed as dist
+
+    from ddptrain.config.schema import ConfigError
+    from ddptrain.strategies.fsdp import FSDPStrategy
+
+    model = tiny_gpt()
+    strategy = FSDPStrategy(shard_modules=["Blok"])
+    strategy.configure(grad_clip=None, precision="fp64")
+    with pytest.raises(ConfigError, match=r"strategy.shard_modules=\['Blok'\] names Blok, which GPT does not contain; "
+                                          r"its module classes are Block, CausalSelfAttention, .*shards its blocks: Block"):
+        strategy.setup(model, torch.optim.SGD(model.parameters(), lr=1.0), torch.device("cpu"))
+    assert not dist.is_initialized()
+    result = run_cli([*TINY_RUN, "batch.seq_len=32", "batch.global_size=2", "batch.micro_size=1", "trainer.max_steps=1",
+                      "strategy=fsdp", "strategy.shard_modules=[Blok]", f"run.dir={tmp_path / 'run'}"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "config error: strategy.shard_modules=['Blok'] names Blok" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 # -- sharded checkpoints --------------------------------------------------------------------------
 
 

@@ -108,6 +108,14 @@ class FSDPOptions(StrategyOptions):
     """HSDP: replicas R of a 2-D mesh (R x world/R shards, replicated across, sharded within), or auto
     (the number of nodes); 1 shards over the whole world."""
 
+    def refusal(self) -> str | None:
+        # Which classes exist is known once the model is built (FSDPStrategy.shard_unit_names); a
+        # name's form is known now.
+        if not all(isinstance(name, str) and name.strip() for name in self.shard_modules):
+            return (f"strategy.shard_modules={self.shard_modules!r} must be a list of module class names, "
+                    "e.g. strategy.shard_modules=[Block]")
+        return None
+
 
 @dataclass(frozen=True)
 class StrategyChoice:

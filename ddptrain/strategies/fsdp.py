@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddptrain.config.choices import FSDPOptions
+from ddptrain.config.schema import ConfigError
 from ddptrain.distributed import backend_for, device_mesh, get_world_size, is_distributed, replicate_degree
 from ddptrain.models.blocks import block_class_names
 from ddptrain.strategies.base import StepLayout, Strategy
@@ -72,6 +73,7 @@ class FSDPStrategy(Strategy):
     def setup(self, model: nn.Module, optimizer, device: torch.device) -> None:
         if optimizer is None:
             raise ValueError("strategy 'fsdp' needs a torch optimizer; got optimizer=None")
+        names = self.shard_unit_names(model)  # before any process group or mesh: a typo fails alike on every rank
         if not is_distributed():  # a world of one still gets a process group: fully_shard needs a mesh
             dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
         replicas = replicate_degree(self.replicate, get_world_size())
@@ -81,11 +83,6 @@ class FSDPStrategy(Strategy):
                      replicas, get_world_size() // replicas)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.precision == "bf16" else MixedPrecisionPolicy()
-        names = set(self.shard_modules) or default_shard_modules(model)
-        unknown = set(self.shard_modules) - {type(m).__name__ for m in model.modules()}
-        if unknown:
-            raise ValueError(f"strategy.shard_modules names {sorted(unknown)}, which {type(model).__name__} does not "
-                             "contain (give class names of its repeated blocks)")
         by_name = {id(param): name for name, param in model.named_parameters()}
         for module in list(model.modules())[1:]:
             if type(module).__name__ in names:
@@ -106,6 +103,20 @@ class FSDPStrategy(Strategy):
         self.model = model
         self.optimizer = optimizer
         self.mesh = mesh
+
+    def shard_unit_names(self, model: nn.Module) -> set[str]:
+        """The class names sharded as units: strategy.shard_modules, else the model's blocks. A name
+        that is no class in `model` is a ConfigError naming the classes it has (the valid names are
+        only known once the model is built, which is why validation cannot check them)."""
+        present = {type(module).__name__ for module in model.modules()}
+        unknown = sorted(set(self.shard_modules) - present)
+        if unknown:
+            blocks = ", ".join(sorted(default_shard_modules(model))) or "none: the model is sharded whole"
+            raise ConfigError(f"strategy.shard_modules={self.shard_modules!r} names {', '.join(unknown)}, which "
+                              f"{type(model).__name__} does not contain; its module classes are "
+                              f"{', '.join(sorted(present))} (strategy.shard_modules=[], the default, shards its "
+                              f"blocks: {blocks})")
+        return set(self.shard_modules) or default_shard_modules(model)
 
     def microbatch_context(self, is_last: bool) -> ContextManager:
         self.model.set_requires_gradient_sync(is_last)
