@@ -54,3 +54,27 @@ def test_empty_global_batch_stops_when_configured(tmp_path):
     finally:
         trainer.close()
     assert [m["step"] for m in read_metrics(tmp_path)] == [1]
+
+
+def test_eval_examples_beyond_the_validation_split_are_named_at_start_up(tmp_path, caplog):
+    """The evaluator took min(trainer.eval_examples, split size) without a word: asking for 100000
+    evaluated the split's few hundred as if that were what was asked."""
+    import logging
+
+    trainer = _trainer(tmp_path / "run", "trainer.max_steps=2", "trainer.eval_examples=8")
+    try:
+        val, engine = trainer.built.data.val, trainer.engine
+        exact = trainer.evaluator.run(engine)
+        cfg = trainer.cfg
+        from ddptrain.train.evaluator import Evaluator
+
+        with caplog.at_level(logging.WARNING, logger="ddptrain"):
+            every = Evaluator(val, len(val), cfg.batch.micro_size, 0, 2, trainer.dist)
+        assert not caplog.records, "eval_examples equal to the split's size is not a warning"
+        with caplog.at_level(logging.WARNING, logger="ddptrain"):
+            beyond = Evaluator(val, 100 * len(val), cfg.batch.micro_size, 0, 2, trainer.dist)
+        assert f"trainer.eval_examples={100 * len(val)} > the {len(val)} examples of the validation split: the " \
+               f"validation loss is over all {len(val)} of them" in caplog.text
+        assert len(beyond.ids) == len(val) and beyond.run(engine) == every.run(engine) != exact
+    finally:
+        trainer.close()

@@ -3,6 +3,7 @@ number for any layout, on its own schedule (every trainer.eval_every steps, and 
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -13,11 +14,17 @@ from ddptrain.distributed import DistInfo, all_reduce_sum
 from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
 
+log = logging.getLogger(__name__)
+
 
 class Evaluator:
     def __init__(self, val: TokenExamples, examples: int, micro_batch_size: int, every: int, last_step: int,
                  dist_info: DistInfo):
         self.val = val
+        if examples > len(val):  # not refused: the default 64 exceeds a small corpus's split, and all of it is used
+            log.warning("trainer.eval_examples=%d > the %d examples of the validation split: the validation loss is "
+                        "over all %d of them; lower trainer.eval_examples or give a larger validation split",
+                        examples, len(val), len(val))
         self.ids = np.arange(min(examples, len(val)))
         self.micro_batch_size = micro_batch_size
         self.every = every
