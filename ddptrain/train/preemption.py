@@ -94,6 +94,18 @@ class PreemptionWatcher:
             self._handling.set()  # the checkpoint is under way: the watchdog stands down
         return stop
 
+    def run_ends(self, step: int) -> None:
+        """The last step, `step`, has begun: its checkpoint and final weights answer any signal,
+        received or to come, as a preemption checkpoint would, so the watchdog stands down as it does
+        for one. Before, a signal after the run's last check (at any step when check_every exceeds the
+        steps left) left the last step's eval and saves on the watchdog's clock, and saves longer than
+        grace_s were cut short: no final/, no checkpoint, exit 128 + signal. Rank-local, no collective."""
+        self._handling.set()
+        if self.received is not None:
+            log.warning("%s received, and the run reached its last step, %d, before its next preemption check "
+                        "(checkpoint.preempt_check_every=%d): it ends there, with its checkpoint and final weights",
+                        signal.Signals(self.received).name, step, self.check_every)
+
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
 

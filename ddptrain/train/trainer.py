@@ -153,6 +153,8 @@ class Trainer:
                 stats = self._train_step(batches)
                 self.state.step += 1
                 step = self.step
+                if step == last:
+                    self.preemption.run_ends(step)  # its eval and saves run as a preemption's would, unhurried
                 self._unread.append((step, stats))
                 evaluate, log_line = self.evaluator.should_run(step), self.metrics.should_log(step)
                 save = self.checkpointer.should_save(step)
