@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -251,3 +252,33 @@ def test_a_checkpoint_without_a_model_spec_is_a_clear_error_in_export_and_servin
     with pytest.raises(ServableError, match="without a model spec"):
         servable_dir(tmp_path / "run")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.parametrize("trained, rebuilt, mismatch", [
+    ({"n_layer": 1}, {"n_layer": 2}, r"missing \['blocks\.1\."),
+    ({"n_embd": 32}, {"n_embd": 64}, r"differ: size mismatch for tok_emb\.weight"),
+], ids=["a_layer_more", "wider"])
+def test_weights_that_do_not_fit_the_rebuilt_model_are_a_clear_export_and_serve_error(tmp_path, capsys, trained,
+                                                                                       rebuilt, mismatch):
+    """final/ whose spec rebuilds another shape than its weights (a hand-edited spec, a factory that
+    changed since the run): export exits 2 naming final/ and the mismatch, serving is a ServableError."""
+    from ddptrain.models.adapters import adapter_for
+    from ddptrain.serving.servable import ServableError, servable_dir
+    from ddptrain.train.final import save_final
+
+    def built(fields):
+        return adapter_for({"name": "gpt"}).build({"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 32, **fields},
+                                                   VOCAB, SEQ)
+
+    module, _ = built(trained)
+    _, spec = built(rebuilt)
+    final = save_final(tmp_path / "run", module, module.state_dict(), spec, step=1, tokenizer_files={})
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "run"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"export error: {final}: the weights do not fit ddptrain.models.gpt.GPT (")
+    assert re.search(mismatch, err) and "Traceback" not in err, err
+    with pytest.raises(ServableError, match=rf"cannot be served: .*the weights do not fit.*{mismatch}"):
+        servable_dir(tmp_path / "run")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["final"], "nothing half-written is left"

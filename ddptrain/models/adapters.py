@@ -442,13 +442,22 @@ def _ids(eos: int | list[int] | None) -> list[int]:
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], spec: ModelSpec, source: Path) -> None:
     """Load `state` (all weights, tied aliases possibly left out, and the frozen ones where the kind
-    restores them: `saves_frozen_weights`) into `model`, in `state`'s dtype."""
+    restores them: `saves_frozen_weights`) into `model`, in `state`'s dtype.
+
+    Weights that do not fit the module `spec` rebuilds (names missing or left over, or a shape
+    that differs: a factory changed since the run, a hand-edited spec) are a ModelError naming
+    `source`, which the commands report like their other model errors (exit code 2, no traceback)."""
     dtype = next(iter(state.values())).dtype if state else torch.float32
     model.to(dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # non-strict loading still refuses a shape that differs
+        mismatches = [line.strip().rstrip(".") for line in str(error).splitlines()[1:] if line.strip()]
+        raise ModelError(f"{source}: the weights do not fit {spec.class_name} ({len(mismatches)} differ: "
+                         f"{'; '.join(mismatches[:3])})") from None
     restored = set() if adapter_of(spec).saves_frozen_weights(spec) else \
         {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
     missing = [name for name in missing if name not in spec.tied and name not in restored]
     if missing or unexpected:
-        raise RuntimeError(f"{source}: the weights do not fit {spec.class_name} (missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]})")
+        raise ModelError(f"{source}: the weights do not fit {spec.class_name} (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
