@@ -62,6 +62,37 @@ def rename(src: Path, dst: Path) -> None:
         fsync_dir(src.parent)
 
 
+def move(src: Path, dst: Path) -> None:
+    """`rename`, or where `dst` is on another filesystem (EXDEV: run.dir/previous/ a link to other
+    storage, say) shutil.move's copy and delete, in the order that survives a crash: the copy, its
+    files and directories fsynced, its name made durable, and only then the original removed."""
+    src, dst = Path(src), Path(dst)
+    try:
+        rename(src, dst)
+        return
+    except OSError as error:
+        if error.errno != errno.EXDEV:
+            raise
+    is_tree = src.is_dir() and not src.is_symlink()
+    if is_tree:
+        shutil.copytree(src, dst, symlinks=True)
+    else:
+        shutil.copy2(src, dst, follow_symlinks=False)
+    for path in [dst, *(dst.rglob("*") if is_tree else [])]:
+        if path.is_symlink():  # a link is copied as one; what it points to is not ours to sync
+            continue
+        if path.is_dir():
+            fsync_dir(path)
+        else:
+            fsync_file(path)
+    fsync_dir(dst.parent)
+    if is_tree:
+        shutil.rmtree(src)
+    else:
+        src.unlink()
+    fsync_dir(src.parent)
+
+
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 

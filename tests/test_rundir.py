@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,6 +275,66 @@ def test_a_rename_that_publishes_fsyncs_what_it_names_before_and_the_parent_afte
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert fsyncs[0] == (str(tmp_path / "metrics.jsonl.tmp"), None), fsyncs
     assert fsyncs[1][0] == str(tmp_path) and "metrics.jsonl.tmp" not in fsyncs[1][1], "run.dir after the rename"
+
+
+
+def _earlier_run(run_dir) -> dict[str, bytes]:
+    """A run dir as an earlier run left it: a checkpoint, final/ and metrics; returns file -> bytes."""
+    files = {"checkpoints/step_00000002/trainer.pt": b"weights", "final/model.safetensors": b"final",
+             "metrics.jsonl": b'{"step": 1}\n'}
+    for name, data in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(data)
+    return files
+
+
+def test_moving_an_earlier_run_aside_fsyncs_what_it_moves_before_and_both_parents_after(tmp_path, monkeypatch):
+    """previous/ gets the earlier run by fsutil.rename, like every rename that moves data out of sight:
+    the moved file's data and the moved directories' entries at their old place first, then run.dir
+    (the names gone) and previous/<time>/ (the names there)."""
+    from ddptrain.train.rundir import move_previous_run_aside
+
+    files = _earlier_run(tmp_path)
+    fsyncs = _record_fsyncs(monkeypatch)
+    target = move_previous_run_aside(tmp_path, "a fresh start")
+    assert {name: (target / name).read_bytes() for name in files} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["previous"], "nothing of the earlier run is left in place"
+    paths = [path for path, _ in fsyncs]
+    for name in ("metrics.jsonl", "checkpoints", "checkpoints/step_00000002", "final"):
+        assert str(tmp_path / name) in paths, (name, fsyncs)
+    assert (str(tmp_path), ["previous"]) in fsyncs, "run.dir after the last rename"
+    named = (str(target), ["checkpoints", "final", "metrics.jsonl"])
+    assert named in fsyncs, "previous/<time>/ after the last rename"
+    assert paths.index(str(tmp_path / "metrics.jsonl")) < fsyncs.index(named), "the data before the name"
+
+
+def test_runs_move_aside_into_a_previous_dir_on_another_filesystem(tmp_path):
+    """previous/ a link to other storage (here /dev/shm, a tmpfs): a rename there fails with EXDEV,
+    so the move copies, fsyncs and only then removes; an earlier run and an abandoned trajectory
+    both arrive whole and leave nothing behind."""
+    from ddptrain.train.rundir import move_abandoned_aside, move_previous_run_aside
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs a writable /dev/shm on another filesystem than the test's tmp_path")
+    elsewhere = Path(tempfile.mkdtemp(prefix="ddptrain-previous-", dir=shm))
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        (run_dir / "previous").symlink_to(elsewhere)
+        files = _earlier_run(run_dir)
+        target = move_previous_run_aside(run_dir, "a fresh start")
+        assert target.resolve().parent == elsewhere.resolve()
+        assert {name: (target / name).read_bytes() for name in files} == files
+        assert sorted(p.name for p in run_dir.iterdir()) == ["previous"]
+
+        files = _earlier_run(run_dir)
+        aside = move_abandoned_aside(run_dir, [run_dir / "checkpoints" / "step_00000002", run_dir / "final"])
+        assert {name: (aside / name).read_bytes() for name in files} == files, "moved, and metrics.jsonl copied"
+        assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "metrics.jsonl", "previous"]
+        assert list((run_dir / "checkpoints").iterdir()) == []
+    finally:
+        shutil.rmtree(elsewhere)
 
 
 # -- checkpoints at scale -------------------------------------------------------------------------

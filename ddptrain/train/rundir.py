@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from ddptrain.fsutil import fsync_dir, fsync_file, make_dirs, pid_is_running, rename
+from ddptrain.fsutil import fsync_dir, fsync_file, make_dirs, move, pid_is_running
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +158,8 @@ def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:
     if not any(name in present for name in ("checkpoints", "final", "metrics.jsonl")):
         return None
     target = _new_previous_dir(run_dir)
-    for name in present:
-        shutil.move(str(run_dir / name), str(target / name))  # a rename, or a copy where a mount point is moved
-    fsync_dir(target)
-    fsync_dir(run_dir)  # a crash never brings the earlier run back beside the new one
+    for name in present:  # durable: a crash never brings the earlier run back beside the new one
+        move(run_dir / name, target / name)  # a rename; a copy where previous/ is on another filesystem
     log.warning("run.dir %s held an earlier run; %s, so it was moved to %s (nothing was deleted)", run_dir, why, target)
     return target
 
@@ -176,7 +174,7 @@ def move_abandoned_aside(run_dir: str | Path, paths: list[Path]) -> Path:
     for path in paths:
         destination = target / Path(path).relative_to(run_dir)
         make_dirs(destination.parent)
-        rename(Path(path), destination)
+        move(Path(path), destination)
     for name in ("metrics.jsonl", "config.yaml"):
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, target / name)
