@@ -20,28 +20,28 @@ from pathlib import Path
 
 from torch import nn
 
-import ddptrain
 from ddptrain.models import GPT, lora
 from ddptrain.models.hf import TOKENIZER_FILES
 from ddptrain.models.spec import ModelError
 from ddptrain.train.checkpoint import CheckpointError
-from ddptrain.train.final import FINAL, checkpoint_tokenizer_files, save_tokenizer_files, weights_dir
+from ddptrain.train.final import (TrainedWeights, checkpoint_tokenizer_files, find_weights, load_trained,
+                                  save_tokenizer_files)
 
 
 class ExportError(RuntimeError):
     """The run cannot be exported as asked; the message names the path or model class."""
 
 
-def export(run_dir: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
+def export(run_dir: str | Path, out_dir: str | Path, merge: bool = False,
+           weights: TrainedWeights | None = None) -> Path:
     """Write the run's model (final weights, else the newest checkpoint's) to `out_dir`; return it.
     `merge`: a LoRA run's adapter folded into the base weights (else its adapter directory); a run
-    that trained every weight exports the same with or without it."""
+    that trained every weight exports the same with or without it. `weights`: the run's, where the
+    caller has found them already (ddptrain.train.final.find_weights), so they are read once."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    if not run_dir.is_dir():
-        raise ExportError(f"run directory {run_dir} does not exist")
-    if out_dir.exists() and not _is_empty_dir(out_dir):
-        raise ExportError(f"output directory {out_dir} already exists and is not empty; pick a new path")
-    model = ddptrain.load_model(run_dir)
+    check_paths(run_dir, out_dir)
+    weights = find_weights(run_dir) if weights is None else weights
+    model = load_trained(weights)
     if lora.is_adapted(model):
         hf_model = lora.merge(model) if merge else model  # a PeftModel saves its adapter directory
     else:  # `merge` has nothing to fold: the run trained every weight
@@ -51,12 +51,20 @@ def export(run_dir: str | Path, out_dir: str | Path, merge: bool = False) -> Pat
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         hf_model.save_pretrained(staging)
-        _copy_tokenizer_files(run_dir, staging)
+        _copy_tokenizer_files(weights, staging)
         staging.replace(out_dir)  # rename(2) may replace an empty directory
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def check_paths(run_dir: Path, out_dir: Path) -> None:
+    """An ExportError unless `run_dir` is a directory and `out_dir` is new or empty."""
+    if not run_dir.is_dir():
+        raise ExportError(f"run directory {run_dir} does not exist")
+    if out_dir.exists() and not _is_empty_dir(out_dir):
+        raise ExportError(f"output directory {out_dir} already exists and is not empty; pick a new path")
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -79,12 +87,12 @@ def _to_hf(model: nn.Module, run_dir: Path) -> nn.Module:
                       f"load it with ddptrain.load_model({str(run_dir)!r}) instead")
 
 
-def _copy_tokenizer_files(run_dir: Path, out_dir: Path) -> None:
+def _copy_tokenizer_files(weights: TrainedWeights, out_dir: Path) -> None:
     """final/'s tokenizer files; for a checkpoint, what save_final would have put beside its weights
     (the tokenizer files, the chat template and the tokens generation stops at, from its run's config)."""
-    source = weights_dir(run_dir)  # the directory load_model read the weights from
-    if source.name != FINAL:
-        save_tokenizer_files(out_dir, *checkpoint_tokenizer_files(source))
+    source = weights.directory  # the directory the model was loaded from
+    if not weights.is_final:
+        save_tokenizer_files(out_dir, *checkpoint_tokenizer_files(source, weights.trainer_state))
         return
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
@@ -102,17 +110,18 @@ def main(argv: list[str] | None = None) -> None:
                              "instead of writing the PEFT adapter directory; other runs: no difference")
     args = parser.parse_args(argv)
     try:
-        out_dir = export(args.run_dir, args.out_dir, merge=args.merge)
+        check_paths(args.run_dir, args.out_dir)  # before the weights are looked for, as export does
+        weights = find_weights(args.run_dir)
+        out_dir = export(args.run_dir, args.out_dir, merge=args.merge, weights=weights)
     except (ExportError, FileNotFoundError, CheckpointError, ModelError) as error:
         print(f"export error: {error}", file=sys.stderr)
         sys.exit(2)
     except OSError as error:  # out_dir under a file, a read-only or full disk: nothing was written there
         print(f"export error: cannot write {args.out_dir}: {error}", file=sys.stderr)
         sys.exit(2)
-    source = weights_dir(args.run_dir)
-    if source.name != FINAL:  # load_model's fallback: say which weights these are
+    if not weights.is_final:  # load_model's fallback: say which weights these are
         print(f"note: {args.run_dir} has no final/ yet (the run has not finished or been preempted): exported the "
-              f"newest checkpoint, {source.name}", file=sys.stderr)
+              f"newest checkpoint, {weights.directory.name}", file=sys.stderr)
     print(f"exported {args.run_dir} to {out_dir}")
 
 

@@ -112,9 +112,16 @@ def test_generate_matches_a_greedy_loop_without_warnings():
     assert recorder.messages == []
 
 
+def _run_whose_weights_load_as(monkeypatch, run_dir, model: nn.Module) -> None:
+    """`run_dir` with a final/ whose marker alone verifies (as an older ddptrain wrote it), and the
+    export's loader giving `model` for it."""
+    (run_dir / "final").mkdir(parents=True, exist_ok=True)
+    (run_dir / "final" / "ddptrain_model.json").write_text(json.dumps({"step": 1}))
+    monkeypatch.setattr("ddptrain.export.load_trained", lambda weights: model)
+
+
 def test_export_refuses_a_model_with_no_transformers_architecture(tmp_path, monkeypatch, capsys):
-    (tmp_path / "run").mkdir()
-    monkeypatch.setattr(ddptrain, "load_model", lambda run_dir: nn.Linear(2, 2), raising=False)
+    _run_whose_weights_load_as(monkeypatch, tmp_path / "run", nn.Linear(2, 2))
     with pytest.raises(ExportError, match=r"torch\.nn\.modules\.linear\.Linear has no transformers "
                                           r"architecture.*ddptrain\.load_model"):
         export(tmp_path / "run", tmp_path / "out")
@@ -146,10 +153,9 @@ def test_export_refuses_a_missing_run_dir_a_run_without_weights_and_a_non_empty_
 
 
 def test_a_failed_export_leaves_nothing_half_written(tmp_path, monkeypatch):
-    (tmp_path / "run").mkdir()
-    monkeypatch.setattr(ddptrain, "load_model", lambda run_dir: random_gpt(bias=False), raising=False)
+    _run_whose_weights_load_as(monkeypatch, tmp_path / "run", random_gpt(bias=False))
 
-    def fail(run_dir, out_dir):
+    def fail(weights, out_dir):
         assert (out_dir / "config.json").is_file(), "the weights are written before the tokenizer files"
         raise OSError("disk full")
 
@@ -165,8 +171,7 @@ def test_export_writes_the_model_and_the_run_tokenizer_files(tmp_path, monkeypat
     weights.mkdir(parents=True)
     for name, text in [("tokenizer.json", "{}"), ("tokenizer_config.json", '{"a": 1}'), ("model.safetensors", "x")]:
         (weights / name).write_text(text)
-    monkeypatch.setattr(ddptrain, "load_model", lambda run_dir: gpt, raising=False)
-    monkeypatch.setattr("ddptrain.export.weights_dir", lambda run_dir: weights)
+    _run_whose_weights_load_as(monkeypatch, tmp_path / "run", gpt)
     (tmp_path / "out").mkdir()  # an existing empty directory is fine
     assert export(tmp_path / "run", tmp_path / "out") == tmp_path / "out"
     written = {p.name for p in (tmp_path / "out").iterdir()}
@@ -208,9 +213,8 @@ def test_exported_run_matches_load_model_end_to_end(tmp_path):
 
 
 def test_an_out_dir_that_cannot_be_made_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    (tmp_path / "run").mkdir()
+    _run_whose_weights_load_as(monkeypatch, tmp_path / "run", random_gpt(bias=False))
     (tmp_path / "afile").write_text("mine")
-    monkeypatch.setattr(ddptrain, "load_model", lambda run_dir: random_gpt(bias=False), raising=False)
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "run"), str(tmp_path / "afile" / "out")])
     assert exit_info.value.code == 2
@@ -282,3 +286,35 @@ def test_weights_that_do_not_fit_the_rebuilt_model_are_a_clear_export_and_serve_
     with pytest.raises(ServableError, match=rf"cannot be served: .*the weights do not fit.*{mismatch}"):
         servable_dir(tmp_path / "run")
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["final"], "nothing half-written is left"
+
+
+def test_serving_and_exporting_a_checkpoint_read_its_trainer_state_once(tmp_path, monkeypatch, capsys):
+    """A run without final/ yet: servable_dir (the stamp, the load, the tokenizer files, the stop
+    tokens) and the export command each read the checkpoint's trainer.pt once, and still give its weights."""
+    from ddptrain.models.adapters import adapter_for
+    from ddptrain.serving.servable import servable_dir
+    from ddptrain.train import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    module, spec = adapter_for({"name": "gpt"}).build({"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 32},
+                                                       VOCAB, SEQ)
+    engine = ddptrain.Engine(module, torch.optim.SGD(module.parameters(), lr=0.1), "ddp", device=torch.device("cpu"))
+    step = ckpt.write_checkpoint(tmp_path / "run", 1, {"step": 1, "model_spec": spec.to_dict(), "config": {"data": {}}},
+                                 save_state=engine.save)
+    loads, real_load = [], torch.load
+
+    def counting_load(file, *args, **kwargs):  # counts, then loads as torch does
+        loads.append(str(file))
+        return real_load(file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    trainer_pt = str(step / "trainer.pt")
+    served = servable_dir(tmp_path / "run")
+    assert loads.count(trainer_pt) == 1, loads
+    loads.clear()
+    main([str(tmp_path / "run"), str(tmp_path / "out")])
+    assert loads.count(trainer_pt) == 1, loads
+    assert f"exported the newest checkpoint, {step.name}" in capsys.readouterr().err
+    for directory in (served, tmp_path / "out"):
+        exported = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        assert max_logit_difference(module.eval(), exported) <= 1e-4

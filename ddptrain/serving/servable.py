@@ -97,26 +97,28 @@ def servable_dir(path: str | Path) -> Path:
     return _from_run(path)
 
 
-def _source_stamp(run_dir: Path) -> dict:
-    """What the servable directory is built from, by content: the size and sha256 of each file
-    (final.source_files: the weights' marker, a LoRA run's base files, a checkpoint's tokenizer
-    files). A copy that kept the mtimes (cp -p, rsync -a) of other contents is not the same source."""
+def _source_stamp(weights) -> dict:
+    """What the servable directory is built from (final.TrainedWeights: final/, else the newest
+    complete checkpoint), by content: the size and sha256 of each file (final.source_files: the
+    weights' marker, a LoRA run's base files, a checkpoint's tokenizer files). A copy that kept the
+    mtimes (cp -p, rsync -a) of other contents is not the same source."""
     from ddptrain.fsutil import sha256_file
-    from ddptrain.train.final import source_files, weights_dir
+    from ddptrain.train.final import source_files
 
-    source = weights_dir(run_dir)  # final/, else the newest complete checkpoint
-    files = {str(file.resolve()): [file.stat().st_size, sha256_file(file)] for file in source_files(source)}
-    return {"source": str(source.resolve()), "files": files}
+    files = {str(file.resolve()): [file.stat().st_size, sha256_file(file)] for file in source_files(weights)}
+    return {"source": str(weights.directory.resolve()), "files": files}
 
 
 def _from_run(run_dir: Path) -> Path:
     from ddptrain.export import ExportError, export
     from ddptrain.models.spec import ModelError
     from ddptrain.train.checkpoint import CheckpointError
+    from ddptrain.train.final import find_weights
 
     out = run_dir / SERVABLE
     try:
-        stamp = _source_stamp(run_dir)
+        weights = find_weights(run_dir)  # verified and read once: the stamp and the export are of the same files
+        stamp = _source_stamp(weights)
     except (FileNotFoundError, CheckpointError) as error:  # no weights, a damaged file or a moved tokenizer
         raise ServableError(str(error)) from None
     marker = out / MARKER
@@ -126,7 +128,7 @@ def _from_run(run_dir: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{SERVABLE}.", dir=run_dir))
     try:
         try:
-            export(run_dir, staging / "model", merge=True)  # a LoRA run serves its merged weights
+            export(run_dir, staging / "model", merge=True, weights=weights)  # a LoRA run serves its merged weights
         except (ExportError, CheckpointError, ModelError) as error:  # a custom model, a damaged final/
             raise ServableError(f"{run_dir} cannot be served: {error}") from None
         model_dir = staging / "model"

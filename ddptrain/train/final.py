@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -132,11 +133,12 @@ def _stop_ids(directory: Path, data: Mapping) -> list[int]:
         return []
 
 
-def checkpoint_tokenizer_files(path: Path) -> tuple[dict[str, Path], dict]:
+def checkpoint_tokenizer_files(path: Path, trainer_state: dict) -> tuple[dict[str, Path], dict]:
     """(tokenizer files, data section) of the run that wrote the checkpoint at `path`, from its
-    trainer.pt: what save_final would have saved beside these weights (`save_tokenizer_files`).
-    A CheckpointError names a file that is no longer where the run read it."""
-    state = ckpt.load_trainer_state(path)
+    `trainer_state` (trainer.pt, as TrainedWeights read it): what save_final would have saved
+    beside these weights (`save_tokenizer_files`). A CheckpointError names a file that is no longer
+    where the run read it."""
+    state = trainer_state
     config = state.get("config", {})
     spec = ModelSpec.from_dict(state["model_spec"])
     data = dict(config.get("data") or {})
@@ -150,25 +152,24 @@ def checkpoint_tokenizer_files(path: Path) -> tuple[dict[str, Path], dict]:
     return files, data
 
 
-def checkpoint_eos(path: Path) -> int | list[int] | None:
+def checkpoint_eos(path: Path, trainer_state: dict) -> int | list[int] | None:
     """The eos_token_id final/ would record for the checkpoint at `path` (`save_tokenizer_files`,
     into a scratch directory: the stop tokens are read from the files as final/ would hold them)."""
     with tempfile.TemporaryDirectory(prefix="ddptrain-stops-") as scratch:
-        save_tokenizer_files(Path(scratch), *checkpoint_tokenizer_files(path))
+        save_tokenizer_files(Path(scratch), *checkpoint_tokenizer_files(path, trainer_state))
         return generation_eos(Path(scratch))
 
 
-def source_files(directory: Path) -> list[Path]:
-    """The files that load_model and export read for the weights in `directory` (final/ or a
-    checkpoint, as weights_dir returns them): its marker, which holds a sha256 of every other file
-    in it (checked by weights_dir), or every file where an older final/ has none; a LoRA run's base
-    files at model.path; a checkpoint's tokenizer files and chat template. Their contents, not
-    their mtimes, say whether what was built from them is current."""
-    is_final = directory.name == FINAL
+def source_files(weights: TrainedWeights) -> list[Path]:
+    """The files that load_model and export read for `weights`: its directory's marker, which holds
+    a sha256 of every other file in it (checked by find_weights), or every file where an older
+    final/ has none; a LoRA run's base files at model.path; a checkpoint's tokenizer files and chat
+    template. Their contents, not their mtimes, say whether what was built from them is current."""
+    directory, is_final = weights.directory, weights.is_final
     marker = directory / (SPEC_FILE if is_final else ckpt.MARKER)
     meta = json.loads(marker.read_text())
     files = [marker] if "sha256" in meta else sorted(path for path in directory.rglob("*") if path.is_file())
-    spec = meta if is_final else ckpt.load_trainer_state(directory).get("model_spec")
+    spec = meta if is_final else weights.trainer_state.get("model_spec")
     if spec is None:  # a checkpoint of an older ddptrain, which load_model refuses by name
         return files
     spec = ModelSpec.from_dict(spec)
@@ -176,7 +177,7 @@ def source_files(directory: Path) -> list[Path]:
         base = Path(spec.config["path"]).expanduser()  # gone: loading it names the path
         files += sorted(path for path in base.iterdir() if path.is_file()) if base.is_dir() else []
     if not is_final:
-        tokenizer_files, data = checkpoint_tokenizer_files(directory)
+        tokenizer_files, data = checkpoint_tokenizer_files(directory, weights.trainer_state)
         files += [Path(file) for file in tokenizer_files.values()]
         files += [Path(data["chat_template"]).expanduser()] if data.get("chat_template") else []
     return files
@@ -221,20 +222,47 @@ def weights_dir(run_dir: str | Path) -> Path:
     return latest
 
 
+@dataclass(frozen=True)
+class TrainedWeights:
+    """A run's trained weights as `find_weights` found them: the directory, verified once, and a
+    checkpoint's trainer state, read once. load_model, the export and the servable directory's
+    stamp take this one value, so one start-up neither hashes the weights nor reads trainer.pt
+    again, and all of them describe the same checkpoint even while a run writes a newer one."""
+
+    directory: Path
+    """final/, or the newest complete checkpoint (`weights_dir`)."""
+    trainer_state: dict | None
+    """A checkpoint's trainer.pt (config, model spec); None for final/, whose marker says it all."""
+
+    @property
+    def is_final(self) -> bool:
+        return self.directory.name == FINAL
+
+
+def find_weights(run_dir: str | Path) -> TrainedWeights:
+    """The run's weights (`weights_dir`: final/, else the newest complete checkpoint), with a
+    checkpoint's trainer state; a CheckpointError names a trainer.pt that cannot be read."""
+    directory = weights_dir(run_dir)
+    return TrainedWeights(directory, None if directory.name == FINAL else ckpt.load_trainer_state(directory))
+
+
 def load_model(run_dir: str | Path) -> nn.Module:
     """The trained model of a run: eval mode, on CPU, with the weights of `final/` (or of the newest
     complete checkpoint while the run has no final weights yet)."""
-    directory = weights_dir(run_dir)
-    if directory.name == FINAL:
-        spec = ModelSpec.from_dict(json.loads((directory / SPEC_FILE).read_text()))
-        model = adapter_of(spec).load_final(directory, spec)
+    return load_trained(find_weights(run_dir))
+
+
+def load_trained(weights: TrainedWeights) -> nn.Module:
+    """The module of `weights` (what load_model returns for their run)."""
+    if weights.is_final:
+        spec = ModelSpec.from_dict(json.loads((weights.directory / SPEC_FILE).read_text()))
+        model = adapter_of(spec).load_final(weights.directory, spec)
     else:
-        model = _load_from_checkpoint(directory)
+        model = _load_from_checkpoint(weights.directory, weights.trainer_state)
     return model.eval()
 
 
-def _load_from_checkpoint(path: Path) -> nn.Module:
-    state = ckpt.load_trainer_state(path)
+def _load_from_checkpoint(path: Path, state: dict) -> nn.Module:
     if "model_spec" not in state:
         raise ckpt.CheckpointError(f"{path} was written by an older ddptrain without a model spec; it cannot be "
                                    "loaded as a model (resume training to write final/)")
@@ -244,7 +272,7 @@ def _load_from_checkpoint(path: Path) -> nn.Module:
     model = adapter.rebuild(spec)
     load_weights(model, weights, spec, path)
     try:  # the tokens final/ would stop at, for generation and the export
-        eos = checkpoint_eos(path)
+        eos = checkpoint_eos(path, state)
     except ckpt.CheckpointError as error:  # the run's tokenizer moved: the weights still load
         log.warning("%s; its generation stops at no end-of-turn token", error)
         eos = None
