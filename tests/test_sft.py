@@ -380,6 +380,60 @@ def test_generation_stops_at_eos_and_at_the_end_of_turn_token_the_mask_trains(tm
 
 
 @pytest.mark.parametrize("template", [MARKED, PLAIN], ids=["marked", "plain"])
+def test_an_end_of_turn_marker_that_is_one_token_but_not_special_is_where_generation_stops(tmp_path, template):
+    """<|im_end|> as an added token that is not special: one token, so the template is taken and the
+    mask trains it (plain: the newline after it too), and final/ records it as a stop token beside EOS,
+    where load_model, export and serving read it; served, it ends the answer and is not in its text,
+    as a special one is not. Before, generation ran past the end of the turn, writing the marker."""
+    import asyncio
+
+    from ddptrain.models.adapters import GPTAdapter, tokenizer_beside
+    from ddptrain.serving.generate import Generator, SamplingParams
+    from ddptrain.serving.servable import servable_dir
+    from ddptrain.train.final import save_final
+
+    directory = _tokenizer_dir(tmp_path / "tok", template, special=["<|im_start|>", "<eos>"])
+    fast = transformers.AutoTokenizer.from_pretrained(directory)
+    fast.add_tokens(["<|im_end|>"])  # special=False
+    fast.save_pretrained(directory)
+    tokenizer = ChatTokenizer(str(directory / "tokenizer.json"))
+    end_of_turn = tokenizer.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.encode("<|im_end|>") == [end_of_turn] and end_of_turn not in tokenizer.special_ids
+    ids, mask = tokenizer.conversation("c", [USER, ASSISTANT], 0)
+    assert end_of_turn in [token for token, is_target in zip(ids, mask) if is_target]
+    stops = sorted({tokenizer.eos_id, end_of_turn})
+    assert tokenizer.stop_ids() == stops
+    # A model that writes the marker after any prompt: the final norm's output is its bias, e_0, and the
+    # (tied) head scores only the marker on that direction.
+    model, spec = GPTAdapter().build({"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 32, "bias": True},
+                                     len(fast), SEQ)
+    with torch.no_grad():
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.zero_()
+        model.ln_f.bias[0] = 1.0
+        model.head.weight[:, 0] = 0.0
+        model.head.weight[end_of_turn, 0] = 5.0
+    data = {"name": "sft", "tokenizer": str(directory / "tokenizer.json")}
+    final = save_final(tmp_path / "run", model, model.state_dict(), spec, 1, tokenizer_beside(data["tokenizer"]),
+                       data=data)
+    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == stops
+    assert ddptrain.load_model(tmp_path / "run").eos_token_id == stops
+    generator = Generator(servable_dir(tmp_path / "run"), device="cpu", max_active=2, kv_cache_mb=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    prompt = generator.prepare(fast.apply_chat_template([USER], tokenize=False, add_generation_prompt=True), params)
+
+    async def answers():
+        generator.start()
+        try:
+            completions = [generator.submit(prompt, params, stream=stream) for stream in (False, True)]
+            return [(await c.text(), c.finish_reason, c.completion_tokens) for c in completions]
+        finally:
+            generator.close()
+
+    assert asyncio.run(answers()) == [("", "stop", 1)] * 2
+
+
+@pytest.mark.parametrize("template", [MARKED, PLAIN], ids=["marked", "plain"])
 def test_chatml_on_a_tokenizer_without_its_markers_as_tokens_is_refused_naming_the_marker(tmp_path, template):
     """<|im_end|> as plain text would be trained as pieces and never stop generation: refused before any
     conversation is preprocessed, naming the marker, the tokenizer and the rule. Prompt-completion strings,

@@ -120,16 +120,22 @@ class ChatTokenizer:
 
     def stop_ids(self) -> list[int]:
         """The tokens that end what the model is trained to write, for generation to stop at: EOS (the
-        end of a completion) and the end-of-turn token of an assistant message, the last target of a
-        one-exchange conversation when it is a special token (as the mask decides it, below)."""
+        end of a completion) and the end-of-turn token of an assistant message: the last target of a
+        one-exchange conversation when it is a special token (as the mask decides it, below), and the
+        template's end-of-turn marker when it is one token and a target, special or not (an added token
+        that is not special: the mask then trains the separator after it too, so it is not the last)."""
         ids = {self.eos_id}
         try:
             tokens, mask = self.conversation("the end-of-turn probe", _PROBE, 0) if self.template else ([], [])
+            marker = self._end_of_turn_marker() if self.template else None
         except DataError:  # a template that needs other messages: EOS alone
-            tokens, mask = [], []
+            tokens, mask, marker = [], [], None
         targets = [token for token, is_target in zip(tokens, mask) if is_target]
         if targets and targets[-1] in self.special_ids:
             ids.add(targets[-1])
+        marker_ids = self.encode(marker) if marker else []
+        if len(marker_ids) == 1 and marker_ids[0] in targets:
+            ids.add(marker_ids[0])
         return sorted(ids)
 
     # -- prompt-completion strings -------------------------------------------------------------------
@@ -160,21 +166,27 @@ class ChatTokenizer:
             return ids, mask
         return self._split_by_prefixes(name, messages, first_target)
 
-    def _check_end_of_turn(self) -> None:
-        """Refuse a template whose end-of-turn marker (the first text after an assistant message's content,
-        whitespace aside) the tokenizer splits into several tokens: ChatML on a tokenizer without
-        `<|im_end|>` as an added token. A template that writes nothing there, or cannot render the probe
-        (it needs other messages), has no marker to check."""
-        try:
-            text = self._apply("the end-of-turn probe", _PROBE)
-        except DataError:
-            return
+    def _end_of_turn_marker(self) -> str | None:
+        """The template's end-of-turn marker: the first text after an assistant message's content,
+        whitespace aside (None: the template writes nothing there). A DataError when the template
+        cannot render the probe (it needs other messages)."""
+        text = self._apply("the end-of-turn probe", _PROBE)
         content = _PROBE[-1]["content"]
         at = text.rfind(content)
         after = text[at + len(content):].split() if at >= 0 else []
-        if not after:
+        return after[0] if after else None
+
+    def _check_end_of_turn(self) -> None:
+        """Refuse a template whose end-of-turn marker the tokenizer splits into several tokens: ChatML on a
+        tokenizer without `<|im_end|>` as an added token. A template that writes nothing there, or cannot
+        render the probe (it needs other messages), has no marker to check."""
+        try:
+            marker = self._end_of_turn_marker()
+        except DataError:
             return
-        marker, ids = after[0], self.encode(after[0])
+        if marker is None:
+            return
+        ids = self.encode(marker)
         if len(ids) != 1:
             raise DataError(f"the chat template {self.template_source} ends an assistant turn with {marker!r}, which "
                             f"the tokenizer {self.path} splits into {len(ids)} tokens {ids}: the template's turn "

@@ -241,6 +241,8 @@ class Completion:
                     raise GenerationError(f"request {self.id} failed: {output.error}")
                 for token in output.generated_tokens[len(tokens):]:
                     tokens.append(token)
+                    if token in self.generator.eos_token_ids:  # the last one: it ends the text, it is not text
+                        break
                     piece = stream.step(tokenizer, token)
                     if piece:
                         streamed += piece
@@ -253,12 +255,14 @@ class Completion:
                 if output.is_finished():
                     break
             # Bytes the stream still holds (an unfinished UTF-8 character) decode as U+FFFD, as decode() does.
-            full = tokenizer.decode(tokens, skip_special_tokens=True)
+            # A stop token is no text even where the tokenizer does not call it special (an end-of-turn
+            # marker added as a plain token): skip_special_tokens alone would leave it in the answer.
+            is_eos = bool(tokens) and tokens[-1] in self.generator.eos_token_ids
+            full = tokenizer.decode(tokens[:-1] if is_eos else tokens, skip_special_tokens=True)
             tail, stopped = stop.feed(full[len(streamed):] if full.startswith(streamed) else "")
             tail += "" if stopped else stop.flush()
             if tail:
                 yield tail
-            is_eos = tokens and tokens[-1] in self.generator.eos_token_ids
             self._finish("stop" if stopped or is_eos or len(tokens) < self.params.max_tokens else "length",
                          len(tokens))
         finally:
