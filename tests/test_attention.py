@@ -152,6 +152,31 @@ def test_gather_equals_the_dense_mask_in_fp64(window, heads_kv):
     assert_close(ours, reference, 1e-9, "gather")
 
 
+def backward_nodes(out: torch.Tensor) -> list[str]:
+    """The names of every node of `out`'s autograd graph."""
+    seen, stack, names = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_the_gather_backward_touches_each_buffer_once_whatever_the_buckets():
+    """The backward of the gather is gathers and one cat per q, k, v: no scatter-add (index_select's
+    own backward), and no slice backward, which makes a zero tensor of the whole buffer per bucket
+    and sums them (measured: 1.7x the gather's fwd+bwd time at T=1024)."""
+    documents = DocumentBoundaries.from_segments(ragged_segments(3, 128)).using("gather")
+    assert len(documents.buckets) > 1, documents.buckets
+    q, k, v = qkv((3, 4, 128, 8), 2, torch.float64)
+    nodes = backward_nodes(attention.attend(q, k, v, documents))
+    assert not [n for n in nodes if n.startswith(("Slice", "IndexSelect", "Index", "Scatter"))], sorted(set(nodes))
+    assert nodes.count("SplitWithSizesBackward0") == 3, sorted(set(nodes))
+
+
 @pytest.mark.parametrize("window", [None, 6], ids=["causal", "sliding_window"])
 def test_flex_document_mask_equals_the_dense_mask_forward_on_cpu(window):
     documents = DocumentBoundaries.from_segments(ragged_segments(2, 64))

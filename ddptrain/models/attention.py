@@ -199,14 +199,16 @@ def _gather(q, k, v, documents, scale, dropout, window):
         return _sdpa(q, k, v, band, scale, dropout).transpose(1, 2)
     gathered = [_Reindex.apply(t.transpose(1, 2).reshape(batch * seq, t.size(1), dim), documents.gather_index,
                                documents.token_position, False) for t in (q, k, v)]  # (P, H, d); the reshape is a view in GPT
-    pieces, at = [], 0
-    for number, (docs, longest) in enumerate(documents.buckets):
-        qb, kb, vb = (t[at:at + docs * longest].view(docs, longest, t.size(1), dim).transpose(1, 2) for t in gathered)
+    # split, not a slice per bucket: a slice's backward is a zero tensor of the whole buffer (per
+    # bucket and per q, k, v, summed); split's is one cat.
+    sizes = [docs * longest for docs, longest in documents.buckets]
+    pieces = []
+    for number, ((docs, longest), *qkv) in enumerate(zip(documents.buckets, *(t.split(sizes) for t in gathered))):
+        qb, kb, vb = (t.view(docs, longest, t.size(1), dim).transpose(1, 2) for t in qkv)
         mask = None
         if window is not None and window < longest:
             mask = documents.cached(("band", number, window, q.device), lambda: band_mask(longest, window, q.device))
         pieces.append(_sdpa(qb, kb, vb, mask, scale, dropout).transpose(1, 2).reshape(docs * longest, heads, dim))
-        at += docs * longest
     buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     rows = _Reindex.apply(buffer, documents.token_position, documents.gather_padded, True)
     return rows.view(batch, seq, heads, dim)
