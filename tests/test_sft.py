@@ -144,6 +144,31 @@ def test_a_template_without_markers_gives_the_same_spans_from_its_prefixes(tmp_p
     assert _all(plain.train) + _all(plain.val) == [_reference(hf, chat["messages"]) for chat in chats]
 
 
+@pytest.mark.parametrize("special", [True, False], ids=["special marker", "added marker"])
+def test_the_newline_after_the_end_of_turn_marker_is_no_target_whether_the_marker_is_special_or_not(tmp_path, special):
+    """Split by prefixes, an assistant span ends at its end-of-turn token: <|im_end|> as a special token
+    or as an added token that is not special, the targets are transformers' own assistant mask (content
+    and marker; the newline after it is the template's, outside {% generation %}). Before, an added
+    marker was no "last special token", so the newline after every assistant turn was a target too."""
+    directory = _tokenizer_dir(tmp_path / "tok", special=SPECIAL if special else ["<|im_start|>", "<eos>"])
+    if not special:
+        fast = transformers.AutoTokenizer.from_pretrained(directory)
+        fast.add_tokens(["<|im_end|>"])  # special=False
+        fast.save_pretrained(directory)
+    (tmp_path / "plain.jinja").write_text(PLAIN)
+    chats = _chats(30, seed=2)
+    plain = _load(tmp_path, chats, directory, seq_len=400, chat_template=str(tmp_path / "plain.jinja"))
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    got = _all(plain.train) + _all(plain.val)
+    assert got == [_reference(hf, chat["messages"]) for chat in chats]
+    eot, newline = hf.convert_tokens_to_ids("<|im_end|>"), hf.encode("\n", add_special_tokens=False)
+    assert (eot in ChatTokenizer(str(directory / "tokenizer.json")).special_ids) == special
+    for chat, (_, targets) in zip(chats, got):
+        valid = [t for t in targets if t != IGNORE_INDEX]
+        assistant_turns = sum(m["role"] == "assistant" for m in chat["messages"])
+        assert valid[-1] == eot and valid.count(eot) == assistant_turns and newline[0] not in valid
+
+
 def test_a_conversation_opened_by_the_assistant_trains_on_its_content_only(tmp_path):
     """Split by prefixes, the assistant's header before the FIRST message is the generation prompt of no
     message: it must be rendered too (it was not, and the header became a target)."""
@@ -382,7 +407,7 @@ def test_generation_stops_at_eos_and_at_the_end_of_turn_token_the_mask_trains(tm
 @pytest.mark.parametrize("template", [MARKED, PLAIN], ids=["marked", "plain"])
 def test_an_end_of_turn_marker_that_is_one_token_but_not_special_is_where_generation_stops(tmp_path, template):
     """<|im_end|> as an added token that is not special: one token, so the template is taken and the
-    mask trains it (plain: the newline after it too), and final/ records it as a stop token beside EOS,
+    mask trains it as the last target of the turn (not the newline after it), and final/ records it as a stop token beside EOS,
     where load_model, export and serving read it; served, it ends the answer and is not in its text,
     as a special one is not. Before, generation ran past the end of the turn, writing the marker."""
     import asyncio
@@ -400,7 +425,7 @@ def test_an_end_of_turn_marker_that_is_one_token_but_not_special_is_where_genera
     end_of_turn = tokenizer.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.encode("<|im_end|>") == [end_of_turn] and end_of_turn not in tokenizer.special_ids
     ids, mask = tokenizer.conversation("c", [USER, ASSISTANT], 0)
-    assert end_of_turn in [token for token, is_target in zip(ids, mask) if is_target]
+    assert [token for token, is_target in zip(ids, mask) if is_target][-1] == end_of_turn
     stops = sorted({tokenizer.eos_id, end_of_turn})
     assert tokenizer.stop_ids() == stops
     # A model that writes the marker after any prompt: the final norm's output is its bias, e_0, and the

@@ -12,7 +12,9 @@ chat_template.jinja or tokenizer_config.json), or `data.chat_template=PATH` inst
   the whole conversation's tokens, for every k: the messages then tile the tokens exactly. An
   assistant message's span starts after the generation prompt (its header: the first k messages
   rendered with `add_generation_prompt`) and ends at its end-of-turn token, the last special
-  token of the span (a separator after it, like ChatML's newline, is not a target). A template
+  token of the span or the template's end-of-turn marker, special or not (a separator after it,
+  like ChatML's newline, is not a target: the same targets as a `{% generation %}` template that
+  keeps the newline outside). A template
   that cannot be split this way is refused, naming the conversation and the message.
 - Either way the end-of-turn marker, what the template writes right after an assistant message's
   content (`<|im_end|>`, `<|eot_id|>`), must be one token of the tokenizer: split into pieces it
@@ -84,6 +86,7 @@ class ChatTokenizer:
         self.template = self._template(chat_template)
         self.template_source = f"data.chat_template={chat_template}" if chat_template else f"of {self.path}"
         self._end_of_turn_checked = False
+        self._end_of_turn_id: int | None = None  # the marker's token, once _check_end_of_turn has read it
         self.has_generation_markers = bool(self.template and _GENERATION.search(self.template))
         self.vocab_size = len(self.tokenizer)
         self.name = str(self.path)
@@ -123,7 +126,7 @@ class ChatTokenizer:
         end of a completion) and the end-of-turn token of an assistant message: the last target of a
         one-exchange conversation when it is a special token (as the mask decides it, below), and the
         template's end-of-turn marker when it is one token and a target, special or not (an added token
-        that is not special: the mask then trains the separator after it too, so it is not the last)."""
+        that is not special; a {% generation %} template may put a separator inside after it)."""
         ids = {self.eos_id}
         try:
             tokens, mask = self.conversation("the end-of-turn probe", _PROBE, 0) if self.template else ([], [])
@@ -156,7 +159,7 @@ class ChatTokenizer:
         if not self._end_of_turn_checked:
             self._check_end_of_turn()
             self._end_of_turn_checked = True
-        if self.has_generation_markers:
+        if self.has_generation_markers:  # the template decides; else _end_of_turn, alike for both kinds of marker
             rendered = self._apply(name, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
             if first_target:
@@ -194,6 +197,7 @@ class ChatTokenizer:
                             f"where generation stops); add {marker!r} to the tokenizer as a special token "
                             "(tokenizer.add_special_tokens), or give a template written for this tokenizer "
                             "(data.chat_template=PATH)")
+        self._end_of_turn_id = ids[0]
 
     def _apply(self, name: str, messages: list[dict], **kwargs):
         try:
@@ -259,9 +263,10 @@ class ChatTokenizer:
         return ids, mask
 
     def _end_of_turn(self, ids: list[int], start: int, end: int) -> int:
-        """The span's end through its end-of-turn token (its last special token) when only a
-        separator (whitespace, like ChatML's newline) follows it; else the message's end."""
-        closing = [i for i in range(start, end) if ids[i] in self.special_ids]
+        """The span's end through its end-of-turn token (its last special token, or the template's
+        end-of-turn marker, which may be an added token that is not special) when only a separator
+        (whitespace, like ChatML's newline) follows it; else the message's end."""
+        closing = [i for i in range(start, end) if ids[i] in self.special_ids or ids[i] == self._end_of_turn_id]
         if closing and not self.tokenizer.decode(ids[closing[-1] + 1 : end]).strip():
             return closing[-1] + 1
         return end
