@@ -65,7 +65,9 @@ def rename(src: Path, dst: Path) -> None:
 def move(src: Path, dst: Path) -> None:
     """`rename`, or where `dst` is on another filesystem (EXDEV: run.dir/previous/ a link to other
     storage, say) shutil.move's copy and delete, in the order that survives a crash: the copy, its
-    files and directories fsynced, its name made durable, and only then the original removed."""
+    files and directories fsynced, its name made durable, and only then the original removed. A copy
+    that fails is removed again (the original is untouched): a `dst` that did not exist before and
+    does after an error is a complete copy, and only the original's removal failed."""
     src, dst = Path(src), Path(dst)
     try:
         rename(src, dst)
@@ -74,18 +76,27 @@ def move(src: Path, dst: Path) -> None:
         if error.errno != errno.EXDEV:
             raise
     is_tree = src.is_dir() and not src.is_symlink()
-    if is_tree:
-        shutil.copytree(src, dst, symlinks=True)
-    else:
-        shutil.copy2(src, dst, follow_symlinks=False)
-    for path in [dst, *(dst.rglob("*") if is_tree else [])]:
-        if path.is_symlink():  # a link is copied as one; what it points to is not ours to sync
-            continue
-        if path.is_dir():
-            fsync_dir(path)
+    dst_existed = os.path.lexists(dst)
+    try:
+        if is_tree:
+            shutil.copytree(src, dst, symlinks=True)
         else:
-            fsync_file(path)
-    fsync_dir(dst.parent)
+            shutil.copy2(src, dst, follow_symlinks=False)
+        for path in [dst, *(dst.rglob("*") if is_tree else [])]:
+            if path.is_symlink():  # a link is copied as one; what it points to is not ours to sync
+                continue
+            if path.is_dir():
+                fsync_dir(path)
+            else:
+                fsync_file(path)
+        fsync_dir(dst.parent)
+    except BaseException:
+        if not dst_existed:  # a partial copy of ours is no copy: only the original, intact, is left
+            if dst.is_dir() and not dst.is_symlink():
+                shutil.rmtree(dst, ignore_errors=True)
+            else:
+                dst.unlink(missing_ok=True)
+        raise
     if is_tree:
         shutil.rmtree(src)
     else:

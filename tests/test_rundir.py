@@ -337,6 +337,89 @@ def test_runs_move_aside_into_a_previous_dir_on_another_filesystem(tmp_path):
         shutil.rmtree(elsewhere)
 
 
+def _files_of(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
+            if path.is_file()}
+
+
+@pytest.mark.slow
+def test_an_earlier_run_that_cannot_be_moved_aside_is_a_run_dir_error_on_every_rank_and_stays_whole(tmp_path):
+    """previous/ a FILE (root cannot create a directory under a file either): rank 0's move fails
+    before anything moves; every rank reports the run.dir error and exits 2, none waits at the
+    barrier for the timeout, and the earlier run is untouched."""
+    run_dir = tmp_path / "run"
+    base = [*SMALL, f"run.dir={run_dir}", "trainer.max_steps=2", "checkpoint.every=2"]
+    assert run_cli(base).returncode == 0
+    (run_dir / "previous").write_text("not a directory")
+    before = _files_of(run_dir)
+    started = time.monotonic()
+    fresh = run_cli([*base, "checkpoint.resume=none", "dist.timeout_s=120"], nproc=2, timeout=100)
+    took = time.monotonic() - started
+    assert fresh.returncode != 0 and "exitcode  : 2" in fresh.stderr, fresh.stderr[-3000:]  # torchrun exits 1
+    for rank in (0, 1):
+        assert f"rank{rank} error] run.dir error:" in fresh.stderr, fresh.stderr[-3000:]
+    assert f"{run_dir / 'previous'}/<time>/" in fresh.stderr and "could not be created" in fresh.stderr
+    assert "Nothing was moved" in fresh.stderr, fresh.stderr[-3000:]
+    frames = [line for line in fresh.stderr.splitlines() if line.lstrip().startswith('File "')]
+    assert not [frame for frame in frames if "/ddptrain/" in frame], "no rank's traceback (torchrun prints its own)"
+    assert took < 60, (took, fresh.stderr[-3000:])
+    after = _files_of(run_dir)
+    del after["train.log"], before["train.log"]  # the refused launch logs its error there
+    assert after == before, "the earlier run is where it was, byte for byte"
+
+
+def test_a_move_aside_that_fails_half_way_moves_back_what_it_moved(tmp_path):
+    """final/ a mount point (rename: EBUSY, for root too): checkpoints/ was already moved to
+    previous/<time>/ when final/ failed; it goes back, previous/<time>/ goes, and the RunDirError
+    names final/ and the cause. The same for an abandoned trajectory."""
+    from ddptrain.train.rundir import RunDirError, move_abandoned_aside, move_previous_run_aside
+
+    files = _earlier_run(tmp_path)
+    (tmp_path / "final" / "model.safetensors").unlink()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp_path / "final")],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and mount rights): {made.stderr.strip()}")
+    try:
+        (tmp_path / "final" / "model.safetensors").write_bytes(files["final/model.safetensors"])
+        for move_aside in (lambda: move_previous_run_aside(tmp_path, "a fresh start"),
+                           lambda: move_abandoned_aside(tmp_path, [tmp_path / "checkpoints" / "step_00000002",
+                                                                   tmp_path / "final"])):
+            with pytest.raises(RunDirError) as raised:
+                move_aside()
+            message = str(raised.value)
+            assert f"moving {tmp_path / 'final'}" in message and "(EBUSY)" in message, message
+            assert "Nothing was moved: the earlier data is where it was." in message, message
+            assert {name: (tmp_path / name).read_bytes() for name in files} == files
+            assert list((tmp_path / "previous").iterdir()) == [], "no half-filled previous/<time>/"
+    finally:
+        subprocess.run(["umount", "-l", str(tmp_path / "final")], capture_output=True)
+
+
+def test_a_copy_to_a_full_previous_dir_elsewhere_is_removed_and_the_earlier_run_stays(small_tmpfs, tmp_path):
+    """previous/ a link to a small filesystem: the cross-device copy of checkpoints/ (the first thing
+    moved) fails half way with ENOSPC; the partial copy is removed, and the earlier run stays whole
+    in run.dir."""
+    from ddptrain.train.rundir import RunDirError, move_previous_run_aside
+
+    if small_tmpfs.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs the tmpfs on another filesystem than tmp_path")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "previous").symlink_to(small_tmpfs)
+    files = _earlier_run(run_dir)
+    big = "checkpoints/step_00000002/model.pt"
+    files[big] = os.urandom(12 << 20)  # more than the 8 MB tmpfs holds
+    (run_dir / big).write_bytes(files[big])
+    with pytest.raises(RunDirError) as raised:
+        move_previous_run_aside(run_dir, "a fresh start")
+    message = str(raised.value)
+    assert f"moving {run_dir / 'checkpoints'}" in message and "No space left on device" in message, message
+    assert "Nothing was moved: the earlier data is where it was." in message, message
+    assert {name: (run_dir / name).read_bytes() for name in files} == files
+    assert list(small_tmpfs.iterdir()) == [], "no partial copy is left in previous/"
+
+
 # -- checkpoints at scale -------------------------------------------------------------------------
 
 

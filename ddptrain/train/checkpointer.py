@@ -102,11 +102,8 @@ class Checkpointer:
         run in the run dir aside first: one run dir never mixes two runs."""
         path = ckpt.agree_on_checkpoint(self.run_dir, self.cfg.checkpoint.resume)
         if path is None:
-            if is_rank_zero():
-                why = ("checkpoint.resume=none" if self.cfg.checkpoint.resume == "none"
-                       else "no complete checkpoint could be resumed")
-                move_previous_run_aside(self.run_dir, why)
-            barrier()
+            self._move_previous_aside("checkpoint.resume=none" if self.cfg.checkpoint.resume == "none"
+                                      else "no complete checkpoint could be resumed")
             return {}
         state = ckpt.load_trainer_state(path)
         state["path"] = path
@@ -118,10 +115,22 @@ class Checkpointer:
             log_applied(self.config_changes)
         self._held[state["step"]] = Path(path)
         if not _is_inside(path, ckpt.checkpoint_dir(self.run_dir)):
-            if is_rank_zero():
-                move_previous_run_aside(self.run_dir, f"checkpoint.resume={path} is not one of its checkpoints")
-            barrier()
+            self._move_previous_aside(f"checkpoint.resume={path} is not one of its checkpoints")
         return state
+
+    def _move_previous_aside(self, why: str) -> None:
+        """Collective: rank 0 moves an earlier run in run.dir to previous/ while the other ranks
+        wait; a move that fails (rolled back: rundir.move_previous_run_aside) fails every rank."""
+        error = None
+        if is_rank_zero():
+            try:
+                move_previous_run_aside(self.run_dir, why)
+            except RunDirError as caught:
+                error = caught
+            except OSError as caught:  # before any move: listing run.dir
+                error = RunDirError(f"run.dir={self.run_dir}: its earlier run could not be moved aside: "
+                                    f"{describe_write_error(caught, self.run_dir)}")
+        raise_on_every_rank(error, RunDirError)  # the barrier: no rank starts beside the earlier run
 
     def restore(self, state: dict, engine: Engine, samples_seen: Callable[[int], int], spec: ModelSpec) -> None:
         """Load the checkpoint `saved_state` found into `engine` and this rank's RNG; check the data
@@ -172,10 +181,12 @@ class Checkpointer:
                                 "%s (nothing was deleted); checkpoint.resume=auto never resumes them",
                                 ", ".join(str(saved) for saved, _ in newer) or "none",
                                 f" and final/ of step {final_step}" if final else "", step, target)
-            except OSError as caught:
-                error = ckpt.CheckpointError(f"the checkpoints after step {step} could not be moved aside: "
-                                             f"{describe_write_error(caught, self.run_dir)}")
-        raise_on_every_rank(error, ckpt.CheckpointError)  # the barrier: no rank trains before they are gone
+            except RunDirError as caught:  # nothing moved, or each piece named (rundir._move_together)
+                error = caught
+            except OSError as caught:  # listing them
+                error = RunDirError(f"the checkpoints after step {step} could not be moved aside: "
+                                    f"{describe_write_error(caught, self.run_dir)}")
+        raise_on_every_rank(error, RunDirError)  # the barrier: no rank trains before they are gone
 
     def _check_horizon(self, state: dict) -> None:
         """Resuming with another trainer.max_steps stretches the LR schedule unless optim.decay_steps fixes it."""
