@@ -4,9 +4,12 @@ within checkpoint.preempt_grace_s exits 128 + signal."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+
+import pytest
 
 # Signalled at once, then 12 step boundaries 0.2 s apart (2.4 s, against a 0.5 s grace) without a
 # preemption check among them (check_every=1000), then none: the watchdog must let the moving
@@ -33,45 +36,79 @@ def test_a_signalled_rank_whose_steps_move_is_not_stopped_before_its_next_check(
     assert "no step boundary was reached within checkpoint.preempt_grace_s=0.5s" in result.stderr
 
 
-# A run that gets its signal before its first preemption check (check_every 10 > max_steps 3) ends
-# at its last step instead; that step's checkpoint takes longer than the grace period to write.
-_LAST_STEPS = """
+# A run whose checkpoints take longer than the grace period to write (a slow disk), with SIGUSR1 on
+# its last rank before its first step; the test's overrides follow the run dir on the command line.
+_SLOW_SAVES = """
 import os, signal, sys, time
 from ddptrain.config.compose import compose_config
-from ddptrain.distributed import init_distributed, setup_logging
+from ddptrain.distributed import barrier, get_rank, get_world_size, init_distributed, setup_logging
 from ddptrain.train.builder import validate_run
 from ddptrain.train.trainer import Trainer
 from tests.helpers import TINY_RUN
 setup_logging()
-cfg = compose_config([*TINY_RUN, "batch.seq_len=32", "batch.global_size=4", "batch.micro_size=2", "trainer.max_steps=3",
-                      "checkpoint.preempt_check_every=10", "checkpoint.preempt_grace_s=1", f"run.dir={sys.argv[1]}"])
-validate_run(cfg, 1)
+cfg = compose_config([*TINY_RUN, "batch.seq_len=32", "batch.global_size=4", "batch.micro_size=2",
+                      "checkpoint.preempt_grace_s=1", f"run.dir={sys.argv[1]}", *sys.argv[2:]])
+validate_run(cfg, int(os.environ.get("WORLD_SIZE", 1)))
 trainer = Trainer(cfg, init_distributed()).build()
 write = trainer.checkpointer.save
 def slow_write(*args, **kwargs):  # a disk slower than the grace period
     time.sleep(2)
     return write(*args, **kwargs)
 trainer.checkpointer.save = slow_write
-os.kill(os.getpid(), signal.SIGUSR1)
+if get_rank() == get_world_size() - 1:
+    os.kill(os.getpid(), signal.SIGUSR1)
 try:
     trainer.fit()
+except SystemExit as stop:  # a preemption: said by every rank before torchrun stops the others
+    print(f"rank {get_rank()} exits with code {stop.code}", flush=True)
+    barrier()
+    raise
 finally:
     trainer.close()
 print("finished at step", trainer.step, flush=True)
 """
 
 
+def _slow_saves(run_dir, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    from tests.helpers import REPO
+
+    script = run_dir.parent / "slow_saves.py"
+    script.write_text(_SLOW_SAVES)
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([*launch, str(script), str(run_dir), *overrides], capture_output=True, text=True,
+                          timeout=240, cwd=REPO, env=env)
+
+
 def test_a_signal_in_the_last_steps_before_any_check_lets_the_final_saves_finish(tmp_path):
     """Before, the watchdog timed the last step's saves with its grace period (no check had begun a
     preemption checkpoint, which stands it down): a slow save was cut short, exit 138, and a run
-    with checkpoint.every=0 kept nothing."""
-    from tests.helpers import REPO
-
+    with checkpoint.every=0 kept nothing. The run gets its signal before its first preemption check
+    (check_every 10 > max_steps 3) and ends at its last step instead."""
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-c", _LAST_STEPS, str(run_dir)], capture_output=True, text=True,
-                            timeout=120, cwd=REPO)
+    result = _slow_saves(run_dir, "trainer.max_steps=3", "checkpoint.preempt_check_every=10")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "finished at step 3" in result.stdout
     assert (run_dir / "final").is_dir() and [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000003"]
     assert "SIGUSR1 received, and the run reached its last step, 3, before its next preemption check " \
            "(checkpoint.preempt_check_every=10)" in result.stderr
+
+
+@pytest.mark.parametrize("every, check_every", [(3, 5), (5, 5)], ids=["off-the-check-schedule", "on-a-check-step"])
+def test_a_scheduled_checkpoint_after_a_signal_is_the_preemption_checkpoint(tmp_path, every, check_every):
+    """2 ranks, SIGUSR1 on rank 1 only, saves slower than the grace period. Before, the step's
+    checkpoint.every save ran on the watchdog's clock (the check came after it, or not at that step
+    at all): rank 1 exited 138 in the middle of it and no checkpoint was left. Now the ranks agree
+    before the save that they stop: it is the preemption checkpoint, unhurried, and both exit 75."""
+    run_dir = tmp_path / "run"
+    result = _slow_saves(run_dir, "trainer.max_steps=8", f"checkpoint.every={every}",
+                         f"checkpoint.preempt_check_every={check_every}", nproc=2)
+    assert "no step boundary was reached" not in result.stderr, result.stderr[-3000:]
+    assert "rank 0 exits with code 75" in result.stdout and "rank 1 exits with code 75" in result.stdout, \
+        result.stderr[-3000:]
+    assert f"preempted by SIGUSR1 at step {every} (resumes from step_{every:08d})" in result.stderr
+    assert "preempted by a signal on another rank at step" in result.stderr  # rank 0 stopped with rank 1
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{every:08d}"]
+    assert (run_dir / "final").is_dir()

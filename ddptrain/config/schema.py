@@ -269,7 +269,8 @@ class CheckpointConfig:
     preempt_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that make every rank checkpoint at the next step boundary and exit."""
     preempt_check_every: int = 5
-    """Ask every rank for a preemption signal every this many steps (a tiny all-reduce the host waits for)."""
+    """Ask every rank for a preemption signal every this many steps (a tiny all-reduce the host waits for), and at
+    every checkpoint.every step, whose checkpoint then is the preemption checkpoint."""
     preempt_grace_s: float = 25.0
     """After a preemption signal, a rank that reaches no step boundary within this many seconds (stuck in a
     collective) exits instead of waiting to be SIGKILLed (torchrun waits 30 s)."""

@@ -81,12 +81,16 @@ class PreemptionWatcher:
             logging.shutdown()
             os._exit(128 + signum)
 
-    def should_stop_at(self, step: int) -> bool:
-        """Collective on every `check_every`-th step (a tiny all-reduce the host waits for): did any
-        rank receive a preemption signal? False on other steps, without communicating. Every call
-        marks a step boundary for the watchdog."""
+    def should_stop_at(self, step: int, saves: bool = False) -> bool:
+        """Collective on every `check_every`-th step and on every step that `saves` a checkpoint (a
+        tiny all-reduce the host waits for): did any rank receive a preemption signal? False on other
+        steps, without communicating. Every call marks a step boundary for the watchdog. Asked before
+        the step's saves: a checkpoint that is written anyway is the preemption checkpoint, and the
+        watchdog stands down before it, not in the middle of it (before, a save longer than grace_s
+        after a signal was cut short, exit 128 + signal, and a signal at a save step off the check
+        schedule waited for a later check, with that step's checkpoint written in between)."""
         self._boundary.set()
-        return step % self.check_every == 0 and self.should_stop()
+        return (saves or step % self.check_every == 0) and self.should_stop()
 
     def should_stop(self) -> bool:
         stop = any_rank(self.received is not None, self.device)

@@ -158,6 +158,8 @@ class Trainer:
                 self._unread.append((step, stats))
                 evaluate, log_line = self.evaluator.should_run(step), self.metrics.should_log(step)
                 save = self.checkpointer.should_save(step)
+                # Before the eval and saves, so that they run unhurried once the ranks agree to stop.
+                stop = step != last and self.preemption.should_stop_at(step, saves=save)
                 if evaluate or log_line or save:
                     self._read_steps()  # waits for the device: only on the steps someone reads
                 self.metrics.step_done(step, stats.loss if evaluate or log_line or save else None)
@@ -168,7 +170,7 @@ class Trainer:
                 self.checkpointer.poll(step)  # commits a background save once every rank has written it
                 if step == last:
                     self._save_final()
-                elif self.preemption.should_stop_at(step):
+                elif stop:
                     self._preempt(saved)
 
     def _train_step(self, batches: Prefetcher) -> StepStats:
