@@ -62,6 +62,8 @@ def test_token_budgets_and_packing_keep_the_loss_curve_through_the_cli(tmp_path)
             assert [m["tokens"] for m in curve] == [m["tokens"] for m in reference], name
             for mine, ref in zip(curve, reference):
                 assert math.isclose(mine["loss"], ref["loss"], rel_tol=1e-9), (family, name, mine["step"])
+            # eval microbatches follow the layout (micro_size rows or the micro_tokens budget): same token mean
+            assert math.isclose(curve[-1]["val_loss"], reference[-1]["val_loss"], rel_tol=1e-9), (family, name)
         if family == "packed":
             assert all(m["padding_efficiency"] > 0.99 for m in reference)
 

@@ -78,3 +78,35 @@ def test_eval_examples_beyond_the_validation_split_are_named_at_start_up(tmp_pat
         assert len(beyond.ids) == len(val) and beyond.run(engine) == every.run(engine) != exact
     finally:
         trainer.close()
+
+
+def test_eval_microbatches_keep_the_token_budget_of_training(tmp_path):
+    """With batch.micro_tokens the evaluator still cut the validation set into batch.micro_size rows
+    (8 by default, read nowhere else): eval forwards of 8 x 32 positions in a run whose budget, and
+    memory plan, is 32, so a run that fit its training steps could run out of memory at its first
+    eval. Eval microbatches now keep the training's budget, and the loss stays the exact token mean."""
+    from ddptrain.train.evaluator import Evaluator
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY_RUN, "batch.seq_len=32", "batch.global_size=4",
+                                           "batch.micro_tokens=48", "trainer.max_steps=1", "optim.warmup_steps=1",
+                                           "trainer.precision=fp64", "trainer.eval_examples=16", f"run.dir={tmp_path}"])
+    validate(cfg, 1)
+    trainer = Trainer(cfg, init_distributed()).build()
+    try:
+        engine, shapes = trainer.engine, []
+        forward = engine.forward
+
+        def recording(inputs, *args, **kwargs):
+            shapes.append(tuple(inputs.shape))
+            return forward(inputs, *args, **kwargs)
+
+        engine.forward = recording
+        budgeted = trainer.evaluator.run(engine)
+        assert shapes and all(rows * width <= 48 for rows, width in shapes), shapes
+        assert sum(rows for rows, _ in shapes) == 16, "every validation example once"
+        one_by_one = Evaluator(trainer.built.data.val, 16, 1, 0, 1, trainer.dist).run(engine)
+        assert budgeted == pytest.approx(one_by_one, rel=1e-12)
+    finally:
+        trainer.close()

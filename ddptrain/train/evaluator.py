@@ -1,15 +1,20 @@
 """The validation loss: the global mean over the valid targets of a fixed validation set, the same
-number for any layout, on its own schedule (every trainer.eval_every steps, and after the last)."""
+number for any layout, on its own schedule (every trainer.eval_every steps, and after the last).
+
+Its microbatches are cut like the training's: batch.micro_size rows, or under batch.micro_tokens
+at most that many padded positions each, so an eval forward never exceeds what the run's
+microbatches (and its memory plan) hold."""
 
 from __future__ import annotations
 
 import logging
-import math
 
 import numpy as np
 import torch
 
+from ddptrain.data.batches import budget_microbatches
 from ddptrain.data.dataset import TokenExamples
+from ddptrain.data.plan import split_micro
 from ddptrain.distributed import DistInfo, all_reduce_sum
 from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
@@ -19,7 +24,7 @@ log = logging.getLogger(__name__)
 
 class Evaluator:
     def __init__(self, val: TokenExamples, examples: int, micro_batch_size: int, every: int, last_step: int,
-                 dist_info: DistInfo):
+                 dist_info: DistInfo, micro_tokens: int | None = None):
         self.val = val
         if examples > len(val):  # not refused: the default 64 exceeds a small corpus's split, and all of it is used
             log.warning("trainer.eval_examples=%d > the %d examples of the validation split: the validation loss is "
@@ -27,9 +32,22 @@ class Evaluator:
                         examples, len(val), len(val))
         self.ids = np.arange(min(examples, len(val)))
         self.micro_batch_size = micro_batch_size
+        self.micro_tokens = micro_tokens
         self.every = every
         self.last_step = last_step
         self.dist = dist_info
+        ranks = self._rank_microbatches()
+        self.microbatches = ranks[dist_info.rank]
+        self.rounds = max(map(len, ranks))  # the same on every rank: the longest list, fillers pad the others
+
+    def _rank_microbatches(self) -> list[list[np.ndarray]]:
+        """Every rank's microbatches of its strided share: micro_batch_size rows each, or the training's
+        token budget (longest first, rows x longest <= micro_tokens padded positions)."""
+        shares = [self.ids[rank :: self.dist.world_size] for rank in range(self.dist.world_size)]
+        if self.micro_tokens is None:
+            return [split_micro(share, self.micro_batch_size) for share in shares]
+        positions = self.val.lengths - 1  # (N,) input positions of each example, what collate pads to
+        return [budget_microbatches(share, positions[share], self.micro_tokens) for share in shares]
 
     def should_run(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.last_step
@@ -37,16 +55,13 @@ class Evaluator:
     @torch.no_grad()
     def run(self, engine: Engine) -> float:
         """Collective. Every rank runs the same number of forwards (ZeRO-3 gathers weights collectively)."""
-        share = self.ids[self.dist.rank :: self.dist.world_size]
-        micro, device = self.micro_batch_size, self.dist.device
-        rounds = math.ceil(math.ceil(len(self.ids) / self.dist.world_size) / micro)
+        device = self.dist.device
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid targets)
         model = engine.model
         model.eval()
-        for index in range(rounds):
-            chunk = share[index * micro : (index + 1) * micro]
-            if len(chunk):
-                inputs, targets = self.val.collate(chunk)
+        for index in range(self.rounds):
+            if index < len(self.microbatches):
+                inputs, targets = self.val.collate(self.microbatches[index])
             else:  # a filler: this rank's share is used up
                 inputs = torch.zeros(1, 1, dtype=torch.long)
                 targets = torch.full((1, 1), IGNORE_INDEX, dtype=torch.long)

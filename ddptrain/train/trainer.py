@@ -111,7 +111,8 @@ class Trainer:
         if self.step < cfg.trainer.max_steps:  # with nothing left to do, config.yaml stays what the run trained with
             self.checkpointer.write_config()  # the launch is accepted
         self.evaluator = Evaluator(self.built.data.val, cfg.trainer.eval_examples, cfg.batch.micro_size,
-                                   cfg.trainer.eval_every, cfg.trainer.max_steps, self.dist)
+                                   cfg.trainer.eval_every, cfg.trainer.max_steps, self.dist,
+                                   micro_tokens=cfg.batch.micro_tokens)
         peak_flops = device_peak_flops(self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops)
         window = ThroughputWindow(ModelFlops.of_module(self.built.model), peak_flops, self.dist.world_size)
         wandb = cfg.logger.wandb
