@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,3 +130,27 @@ def test_plan_payloads_equal_those_counted_on_gloo_ranks(world_size):
         for key, value in planned.items():
             assert abs(value - recorded[key]) <= 0.05 * recorded[key], (strategy, replicate, accumulation, key,
                                                                          value, recorded[key])
+
+
+@pytest.mark.parametrize("micro_tokens", [32, 48, 63, 64])
+def test_a_token_budget_is_planned_as_rows_that_hold_every_microbatch_it_makes(micro_tokens):
+    """batch.micro_tokens is planned as rows of seq_len that hold any microbatch the budget makes:
+    48 tokens of rows of 32 is 3 rows of 16 (48 positions), more than one row of 32."""
+    from ddptrain.config import compose_config
+    from ddptrain.config.validation import validate
+    from ddptrain.data.batches import budget_microbatches
+    from ddptrain.train.plan import plan_for_config
+
+    seq_len = 32
+    cfg = compose_config(["model.n_layer=1", "model.n_head=2", "model.n_embd=16", f"batch.seq_len={seq_len}",
+                          f"batch.micro_tokens={micro_tokens}", "batch.global_size=8"])
+    validate(cfg, 1)
+    _, counts, layout = plan_for_config(cfg, 1)
+    lengths = np.random.default_rng(0).integers(1, seq_len + 1, size=200)
+    lengths[:20] = seq_len // 2  # rows of half seq_len fill a budget that is no multiple of seq_len
+    largest = max(len(group) * int(lengths[group].max())
+                  for group in budget_microbatches(np.arange(len(lengths)), lengths, micro_tokens))
+    assert largest <= micro_tokens
+    assert layout.micro_batch_size * layout.seq_len >= largest, (layout.micro_batch_size, largest)
+    assert layout.micro_batch_size * layout.seq_len < micro_tokens + seq_len  # not more rows than that takes
+    assert counts.activations.bytes > 0

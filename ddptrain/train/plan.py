@@ -379,8 +379,10 @@ def plan_for_config(cfg, world_size: int, ranks_per_node: int | None = None) -> 
         adapter.enable_activation_checkpointing(model)
     batch = cfg.batch
     fixed = batch.micro_tokens is None and not batch.pack
-    # a budget microbatch holds at most micro_tokens padded tokens: planned as that many rows of seq_len
-    micro_rows = batch.micro_size if batch.micro_tokens is None else max(1, batch.micro_tokens // batch.seq_len)
+    # A budget microbatch holds at most micro_tokens padded positions in rows of at most seq_len: planned
+    # as whole rows of seq_len that hold them all (rounded up: 48 tokens of rows of 32 may be 3 rows of
+    # 16, and the linear layers' activations follow positions; a row's attention is at most seq_len^2).
+    micro_rows = batch.micro_size if batch.micro_tokens is None else -(-batch.micro_tokens // batch.seq_len)
     options = strategy_options(cfg.strategy)
     ranks_per_node = ranks_per_node or min(world_size, 8)
     replicate = options.get("replicate", "auto")  # fsdp's; the HSDP row of other strategies: one replica per node
