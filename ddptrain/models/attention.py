@@ -17,8 +17,9 @@ Backends (`trainer.attention`, picked at start-up by `select_backend`):
   buffer (ddptrain/data/boundaries.py) and make one SDPA call each. A
   document padded at its end never lets a real token see the padding (causal), so no mask is
   needed. The gather is one permutation with padding, and so is its backward: index_select both
-  ways, never index_select's scatter-add backward (slow on CPU). Rows that are whole documents go
-  straight to causal SDPA.
+  ways, never index_select's scatter-add backward (slow on CPU); the buckets are one split of the
+  buffer, whose backward is one cat (a slice per bucket would add up a zero tensor of the whole
+  buffer per bucket). Rows that are whole documents go straight to causal SDPA.
 - varlen (CUDA, bf16/fp16): torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`)
   over the flattened rows with cu_seqlens and the host's max length.
 - flex (CUDA): FlexAttention, compiled, with a document block mask (same segment, causal), as
