@@ -128,17 +128,15 @@ class ChatTokenizer:
         template's end-of-turn marker when it is one token and a target, special or not (an added token
         that is not special; a {% generation %} template may put a separator inside after it)."""
         ids = {self.eos_id}
-        try:
+        try:  # the first conversation checks the end-of-turn marker (_end_of_turn_id)
             tokens, mask = self.conversation("the end-of-turn probe", _PROBE, 0) if self.template else ([], [])
-            marker = self._end_of_turn_marker() if self.template else None
         except DataError:  # a template that needs other messages: EOS alone
-            tokens, mask, marker = [], [], None
+            tokens, mask = [], []
         targets = [token for token, is_target in zip(tokens, mask) if is_target]
         if targets and targets[-1] in self.special_ids:
             ids.add(targets[-1])
-        marker_ids = self.encode(marker) if marker else []
-        if len(marker_ids) == 1 and marker_ids[0] in targets:
-            ids.add(marker_ids[0])
+        if self._end_of_turn_id is not None and self._end_of_turn_id in targets:
+            ids.add(self._end_of_turn_id)
         return sorted(ids)
 
     # -- prompt-completion strings -------------------------------------------------------------------

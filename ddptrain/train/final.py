@@ -133,12 +133,11 @@ def _stop_ids(directory: Path, data: Mapping) -> list[int]:
         return []
 
 
-def checkpoint_tokenizer_files(path: Path, trainer_state: dict) -> tuple[dict[str, Path], dict]:
+def checkpoint_tokenizer_files(path: Path, state: dict) -> tuple[dict[str, Path], dict]:
     """(tokenizer files, data section) of the run that wrote the checkpoint at `path`, from its
-    `trainer_state` (trainer.pt, as TrainedWeights read it): what save_final would have saved
+    trainer `state` (trainer.pt, as TrainedWeights read it): what save_final would have saved
     beside these weights (`save_tokenizer_files`). A CheckpointError names a file that is no longer
     where the run read it."""
-    state = trainer_state
     config = state.get("config", {})
     spec = ModelSpec.from_dict(state["model_spec"])
     data = dict(config.get("data") or {})
