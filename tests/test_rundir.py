@@ -449,8 +449,11 @@ def _save_shard(directory) -> None:
 def _write_twice(tmp: str) -> None:
     """A second save of a step (what the Checkpointer does only for another trajectory's checkpoint
     of it) replaces the first once every rank has written, never mixing their files."""
+    from ddptrain.distributed import barrier
+
     first = ckpt.write_checkpoint(tmp, 3, {"step": 3}, save_state=_save_shard)
     before = (first / ckpt.MARKER).read_text()
+    barrier()  # every rank has read the first save before rank 0 moves it aside for the second
     again = ckpt.write_checkpoint(tmp, 3, {"step": 3}, save_state=_save_shard)
     assert again == first and (first / ckpt.MARKER).read_text() != before, "the step is written again"
 
