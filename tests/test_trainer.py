@@ -68,9 +68,11 @@ def test_eval_examples_beyond_the_validation_split_are_named_at_start_up(tmp_pat
         cfg = trainer.cfg
         from ddptrain.train.evaluator import Evaluator
 
+        caplog.clear()
         with caplog.at_level(logging.WARNING, logger="ddptrain"):
             every = Evaluator(val, len(val), cfg.batch.micro_size, 0, 2, trainer.dist)
-        assert not caplog.records, "eval_examples equal to the split's size is not a warning"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not warnings, f"eval_examples equal to the split's size is not a warning: {warnings}"
         with caplog.at_level(logging.WARNING, logger="ddptrain"):
             beyond = Evaluator(val, 100 * len(val), cfg.batch.micro_size, 0, 2, trainer.dist)
         assert f"trainer.eval_examples={100 * len(val)} > the {len(val)} examples of the validation split: the " \
