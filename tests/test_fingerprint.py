@@ -119,3 +119,31 @@ def test_a_changed_tokenizer_class_is_refused_and_a_checkpoint_from_before_it_wa
     assert check_fingerprint(run_fingerprint({}, inputs), after, accept_changed_data=False) == []
     with pytest.raises(ckpt.CheckpointError, match="data.documents: 5 -> 6"):  # other keys are still compared
         check_fingerprint(run_fingerprint({}, inputs), {**after, "data": {**after["data"], "documents": 6}}, False)
+
+
+def test_the_same_files_made_into_other_targets_by_an_upgrade_are_refused_on_resume(tmp_path, monkeypatch):
+    """Every stamp of the corpus stayed the same when a ddptrain upgrade tokenized or masked the same
+    files another way (the chat target fix of CACHE_VERSION 6): the new cache entry was built and the
+    resume went on, silently, on other targets. The count of valid training targets is fingerprinted."""
+    from ddptrain.config import DataConfig
+    from ddptrain.data import cache, load_splits
+    from ddptrain.data.tokenizer import ByteTokenizer
+
+    files = _corpus(tmp_path / "corpus", "a.txt", "b.txt", "c.txt")
+    cfg = DataConfig(name="text", paths=[str(path) for path in files], val_percent=0.0, max_docs=None,
+                     val_paths=[str(files[-1])], cache_dir=str(tmp_path / "cache"), tokenizer="byte")
+    before = run_fingerprint({}, load_splits(cfg, 32, local_rank=0).fingerprint)
+    cfg.cache_dir = str(tmp_path / "another-cache")  # rebuilt by the same ddptrain: the same inputs
+    assert check_fingerprint(before, run_fingerprint({}, load_splits(cfg, 32, local_rank=0).fingerprint),
+                             accept_changed_data=False) == []
+
+    encode_batch = ByteTokenizer.encode_batch  # "the upgrade": the last byte of each document dropped
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", lambda self, texts: [ids[:-1] for ids in encode_batch(self, texts)])
+    monkeypatch.setattr(cache, "CACHE_VERSION", cache.CACHE_VERSION + 1)
+    after = run_fingerprint({}, load_splits(cfg, 32, local_rank=0).fingerprint)
+    assert after["data"]["train"] == before["data"]["train"] and after["data"]["documents"] == before["data"]["documents"]
+    with pytest.raises(ckpt.CheckpointError, match=r"data.targets: (\d+) -> (?!\1)\d+\. .*The same files now make other "
+                                                   r"targets: this ddptrain tokenizes or masks them otherwise"):
+        check_fingerprint(before, after, accept_changed_data=False)
+    older = {"model": {}, "data": {key: value for key, value in before["data"].items() if key != "targets"}}
+    assert check_fingerprint(older, after, accept_changed_data=False) == [], "a checkpoint from before the count"

@@ -93,7 +93,7 @@ def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
         sft.warn_skips(meta, seq_len)
     inputs = {"source": data_cfg.name, "train": relative_stamps(train_files), "val": relative_stamps(val_files),
               "tokenizer": tokenizer.fingerprint(), "tokenizer_class": tokenizer.tokenizer_class,
-              "documents": splits["train"].documents,
+              "documents": splits["train"].documents, "targets": splits["train"].valid_targets(),
               "index": relative_stamps([index]) if index else None}
     return DataSplits(splits["train"], splits["val"], vocab_size, inputs)
 

@@ -33,7 +33,8 @@ class DataSplits:
     vocab_size: int
     fingerprint: dict = field(default_factory=dict)
     """What defines the corpus, for the resume check (ddptrain/train/fingerprint.py): the sources
-    (names relative to their common directory, sizes, mtimes), the tokenizer's hash, the document count."""
+    (names relative to their common directory, sizes, mtimes), the tokenizer's hash, the document and
+    valid-target counts of the training split."""
 
 
 def assign_splits(names: list[str], docs: np.ndarray, is_val: np.ndarray, has_val_files: bool,

@@ -19,11 +19,8 @@ def load_stdlib(seq_len: int, val_percent: float, max_docs: int | None = None, t
     warn_replaced(decoder.replaced_documents, decoder.replaced_example)
     if not val_docs:  # tiny corpora (max_docs) still get a validation set
         val_docs.append(train_docs.pop())
+    train = TokenExamples.from_documents(train_docs, seq_len)
     inputs = {"source": "stdlib", "tokenizer": tokenizer.fingerprint(), "documents": len(train_docs),
-              "tokens": sum(len(doc) for doc in train_docs)}  # Python's own sources: another Python, another corpus
-    return DataSplits(
-        TokenExamples.from_documents(train_docs, seq_len),
-        TokenExamples.from_documents(val_docs, seq_len),
-        tokenizer.vocab_size,
-        inputs,
-    )
+              "tokens": sum(len(doc) for doc in train_docs),  # Python's own sources: another Python, another corpus
+              "targets": train.valid_targets()}
+    return DataSplits(train, TokenExamples.from_documents(val_docs, seq_len), tokenizer.vocab_size, inputs)

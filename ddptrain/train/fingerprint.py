@@ -2,10 +2,12 @@
 
     model   the architecture the `model` section does not spell out: model=hf's config.json
     data    the corpus: its source files (names relative to their common directory, sizes, mtimes),
-            the tokenizer's (and chat template's) hash, the number of training documents
+            the tokenizer's (and chat template's) hash, the number of training documents, and the
+            number of valid training targets (the objective's divisor over the data: an upgrade that
+            tokenizes or masks the same files another way, and rebuilds its cache, changes it)
 
 No absolute path and no cache format version, so a run dir or corpus moved whole, or a ddptrain
-upgrade, still resumes. A difference is refused with the key, the old and the new value, like a
+upgrade that builds the same examples from it, still resumes. A difference is refused with the key, the old and the new value, like a
 changed config key (ddptrain/train/resume.py); checkpoint.accept_changed_data=true accepts a
 changed corpus (a file appended to, a new file matching the glob) with a warning that the data
 order differs from here on. A checkpoint written before fingerprints resumes without the check, and
@@ -21,7 +23,7 @@ from typing import Any
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.resume import config_changes, flatten
 
-ADDED = ("data.tokenizer_class",)
+ADDED = ("data.tokenizer_class", "data.targets")
 """Keys a later ddptrain fingerprints; a checkpoint without one (an older ddptrain's) is not compared on it."""
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,9 @@ def check_fingerprint(saved: dict | None, current: dict, accept_changed_data: bo
         lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
         override = (" A changed corpus may be accepted with checkpoint.accept_changed_data=true (the data order "
                     "then differs from here on)." if any(change in data for change in refused) else "")
+        if [key for key, _, _ in refused if key.startswith("data.")] == ["data.targets"]:
+            override = (" The same files now make other targets: this ddptrain tokenizes or masks them otherwise than "
+                        "the one that wrote the checkpoint." + override)
         raise CheckpointError(f"the run's inputs differ from the checkpoint's: {lines}. Resume with the inputs the run "
                               f"was trained on, or start a new run (another run.dir, or checkpoint.resume=none)."
                               f"{override}")
