@@ -51,11 +51,15 @@ cfg = compose_config([*TINY_RUN, "batch.seq_len=32", "batch.global_size=4", "bat
 validate_run(cfg, int(os.environ.get("WORLD_SIZE", 1)))
 trainer = Trainer(cfg, init_distributed()).build()
 write = trainer.checkpointer.save
+signalled = get_rank() == get_world_size() - 1
+in_save = os.environ.get("SIGNAL_IN_SAVE") == "1"  # else before the first step
 def slow_write(*args, **kwargs):  # a disk slower than the grace period
+    if signalled and in_save and not trainer.preemption.received:
+        os.kill(os.getpid(), signal.SIGUSR1)
     time.sleep(2)
     return write(*args, **kwargs)
 trainer.checkpointer.save = slow_write
-if get_rank() == get_world_size() - 1:
+if signalled and not in_save:
     os.kill(os.getpid(), signal.SIGUSR1)
 try:
     trainer.fit()
@@ -69,7 +73,7 @@ print("finished at step", trainer.step, flush=True)
 """
 
 
-def _slow_saves(run_dir, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+def _slow_saves(run_dir, *overrides: str, nproc: int = 1, in_save: bool = False) -> subprocess.CompletedProcess:
     from tests.helpers import REPO
 
     script = run_dir.parent / "slow_saves.py"
@@ -77,7 +81,7 @@ def _slow_saves(run_dir, *overrides: str, nproc: int = 1) -> subprocess.Complete
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                   f"--nproc_per_node={nproc}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "SIGNAL_IN_SAVE": "1" if in_save else "0"}
     return subprocess.run([*launch, str(script), str(run_dir), *overrides], capture_output=True, text=True,
                           timeout=240, cwd=REPO, env=env)
 
@@ -112,3 +116,21 @@ def test_a_scheduled_checkpoint_after_a_signal_is_the_preemption_checkpoint(tmp_
     assert "preempted by a signal on another rank at step" in result.stderr  # rank 0 stopped with rank 1
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{every:08d}"]
     assert (run_dir / "final").is_dir()
+
+
+def test_a_signal_during_a_scheduled_save_is_answered_by_that_checkpoint(tmp_path):
+    """2 ranks, SIGUSR1 on rank 1 as the checkpoint of step 2 begins, saves slower than the grace
+    period, no preemption check before step 5. Before, the signal started the watchdog's clock in
+    the middle of the save: rank 1 exited 138 with step 2's checkpoint half written, and the run fell
+    back to none at all. Now the save finishes, the ranks ask again after it, and that checkpoint is
+    the preemption checkpoint: both exit 75 at step 2, with no second save."""
+    run_dir = tmp_path / "run"
+    result = _slow_saves(run_dir, "trainer.max_steps=8", "checkpoint.every=2", "checkpoint.preempt_check_every=5",
+                         nproc=2, in_save=True)
+    assert "no step boundary was reached" not in result.stderr, result.stderr[-3000:]
+    assert "rank 0 exits with code 75" in result.stdout and "rank 1 exits with code 75" in result.stdout, \
+        result.stderr[-3000:]
+    assert "preempted by SIGUSR1 at step 2 (resumes from step_00000002)" in result.stderr
+    assert "preempted by a signal on another rank at step 2" in result.stderr
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
+    assert result.stderr.count("checkpoint of step 2 saved") == 1 and (run_dir / "final").is_dir()

@@ -10,14 +10,17 @@ written to a wakeup pipe that a watchdog thread reads: if the trainer reaches no
 within `grace_s` (each boundary restarts the wait, since the check that begins the preemption
 checkpoint comes only every `check_every` steps), the process exits (128 + signal) instead of
 ignoring the launcher's stop request until it is SIGKILLed. The last complete checkpoint stands.
+A step's eval and saves run `unhurried`, off that clock, and the trainer asks again after a save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+from typing import Iterator
 
 import torch
 
@@ -40,6 +43,7 @@ class PreemptionWatcher:
         self._previous = {}
         self._handling = threading.Event()
         self._boundary = threading.Event()  # set at every step boundary: the steps still move
+        self._unhurried = threading.Event()  # set while an eval or save runs: progress, not a stuck rank
         self._closed = threading.Event()
         self._signals = {getattr(signal, name) for name in signal_names}
         for signum in self._signals:
@@ -72,7 +76,7 @@ class PreemptionWatcher:
                 self._boundary.clear()
                 if self._handling.wait(self.grace_s) or self._closed.is_set():
                     return
-                if not self._boundary.is_set():
+                if not self._boundary.is_set() and not self._unhurried.is_set():
                     break
             signum = signals[0]
             log.error("rank %d: %s received, but no step boundary was reached within checkpoint.preempt_grace_s=%gs "
@@ -91,6 +95,21 @@ class PreemptionWatcher:
         schedule waited for a later check, with that step's checkpoint written in between)."""
         self._boundary.set()
         return (saves or step % self.check_every == 0) and self.should_stop()
+
+    @contextlib.contextmanager
+    def unhurried(self) -> Iterator[None]:
+        """A step's eval and saves, after its check: off the watchdog's clock, which times only how long
+        no step boundary comes. Before, a signal that arrived during them started that clock: a save
+        longer than grace_s was cut short (exit 128 + signal, the step's checkpoint left in its .tmp
+        directory), and the run fell back to the checkpoint before. The trainer asks again after the
+        saves (should_stop), so the checkpoint just written answers such a signal. A save stuck in a
+        collective fails after dist.timeout_s, as a step does."""
+        self._unhurried.set()
+        try:
+            yield
+        finally:
+            self._boundary.set()  # what ran was progress: the grace period starts again from here
+            self._unhurried.clear()
 
     def should_stop(self) -> bool:
         stop = any_rank(self.received is not None, self.device)

@@ -164,11 +164,14 @@ class Trainer:
                 if evaluate or log_line or save:
                     self._read_steps()  # waits for the device: only on the steps someone reads
                 self.metrics.step_done(step, stats.loss if evaluate or log_line or save else None)
-                val_loss = self.evaluator.run(self.engine) if evaluate else None
-                if log_line:
-                    self._log_step(stats, lr, val_loss)
-                saved = self.checkpointer.save(step, self.engine, self.trainer_state) if save else None
-                self.checkpointer.poll(step)  # commits a background save once every rank has written it
+                with self.preemption.unhurried():  # progress: a signal now waits for them, and is asked below
+                    val_loss = self.evaluator.run(self.engine) if evaluate else None
+                    if log_line:
+                        self._log_step(stats, lr, val_loss)
+                    saved = self.checkpointer.save(step, self.engine, self.trainer_state) if save else None
+                    self.checkpointer.poll(step)  # commits a background save once every rank has written it
+                if save and not stop and step != last:
+                    stop = self.preemption.should_stop()  # a signal during the saves: they answer it
                 if step == last:
                     self._save_final()
                 elif stop:
