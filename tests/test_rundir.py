@@ -337,6 +337,46 @@ def test_runs_move_aside_into_a_previous_dir_on_another_filesystem(tmp_path):
         shutil.rmtree(elsewhere)
 
 
+def test_a_complete_copy_whose_original_cannot_be_removed_is_named_and_the_rest_moves_back(tmp_path):
+    """previous/ a link to /dev/shm (another filesystem, so each move copies, then removes), and a
+    file of final/ immutable (chattr +i: root cannot delete it either). checkpoints/ moves, final/ is
+    copied whole but its original cannot be removed: the RunDirError says that previous/<time>/final
+    is a complete copy and what is left of the original, checkpoints/ comes back, and between the
+    two places nothing of the earlier run is lost."""
+    from ddptrain.train.rundir import RunDirError, move_previous_run_aside
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs a writable /dev/shm on another filesystem than the test's tmp_path")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    files = _earlier_run(run_dir)
+    files["final/config.json"] = b"{}"
+    (run_dir / "final" / "config.json").write_bytes(files["final/config.json"])
+    pinned = run_dir / "final" / "model.safetensors"
+    if subprocess.run(["chattr", "+i", str(pinned)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported on tmp_path's filesystem")
+    elsewhere = Path(tempfile.mkdtemp(prefix="ddptrain-previous-", dir=shm))
+    try:
+        (run_dir / "previous").symlink_to(elsewhere)
+        with pytest.raises(RunDirError) as raised:
+            move_previous_run_aside(run_dir, "a fresh start")
+        message = str(raised.value)
+        [target] = list(elsewhere.iterdir())
+        assert f"moving {run_dir / 'final'}" in message and "Operation not permitted" in message, message
+        assert "Nothing was deleted, but not all of it is where it was" in message, message
+        assert f"{run_dir / 'previous' / target.name / 'final'} is a complete copy of {run_dir / 'final'}, of which " \
+               "what could not be removed is left (delete it once checked)" in message, message
+        assert _files_of(target) == {name: data for name, data in files.items() if name.startswith("final/")}
+        assert pinned.read_bytes() == files["final/model.safetensors"], "the original's file that would not go"
+        kept = _files_of(run_dir)
+        assert {name: kept[name] for name in ("checkpoints/step_00000002/trainer.pt", "metrics.jsonl")} == \
+            {name: files[name] for name in ("checkpoints/step_00000002/trainer.pt", "metrics.jsonl")}, "moved back"
+    finally:
+        subprocess.run(["chattr", "-i", str(pinned)], capture_output=True)
+        shutil.rmtree(elsewhere)
+
+
 def _files_of(directory: Path) -> dict[str, bytes]:
     return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
             if path.is_file()}
