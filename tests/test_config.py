@@ -52,6 +52,11 @@ def test_the_numeric_bounds_still_take_their_edges():
     (["data=text", "data.paths=[c.txt]", "data.dtype=uint32"],
      "data.dtype='uint32' is read only when data.name is tokens"),
     (["data.train_on=last_assistant"], "data.train_on='last_assistant' is read only when data.name is sft"),
+    (["data=sft", "data.paths=[c.jsonl]", "data.format=prompt_completion", "data.messages_field=conversation"],
+     "data.messages_field='conversation' is read only when data.format is auto or messages, and this run has "
+     "data.format='prompt_completion'"),
+    (["data=sft", "data.paths=[c.jsonl]", "data.format=messages", "data.completion_field=answer"],
+     "data.completion_field='answer' is read only when data.format is auto or prompt_completion"),
     (["data.on_decode_error=error"],  # stdlib replaces undecodable bytes whatever the policy
      "data.on_decode_error='error' is read only when data.name is text or jsonl or hf or sft"),
     (["data=text", "data.paths=[a.txt]", "data.val_paths=[b.txt]", "data.val_percent=20"],
@@ -81,6 +86,9 @@ def test_the_same_keys_are_taken_where_the_run_reads_them_or_left_at_their_defau
                       ["data=jsonl", "data.paths=[c.jsonl]", "data.field=body", "data.on_decode_error=error"],
                       ["data=text", "data.paths=[a.txt]", "data.val_paths=[b.txt]", "data.split_by=file",
                        "data.cache_dir=/scratch/cache"],
+                      ["data=sft", "data.paths=[c.jsonl]", "data.messages_field=conversation",
+                       "data.prompt_field=question", "data.completion_field=answer"],
+                      ["data=sft", "data.paths=[c.jsonl]", "data.format=prompt_completion", "data.prompt_field=q"],
                       ["optim=sgd"], ["optim.schedule=cosine", "optim.min_lr_ratio=0.5", "optim.decay_steps=50"],
                       ["logger=wandb", "logger.wandb.project=mine", "logger.wandb.name=first"],
                       ["trainer.attention=mask", "batch.pack=true"],

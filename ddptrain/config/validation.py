@@ -47,6 +47,9 @@ _READ_ONLY_WHEN = (
     ("data.dtype", DataConfig, "data.name", ("tokens",)),
     ("data.on_decode_error", DataConfig, "data.name", ("text", "jsonl", "hf", "sft")),  # stdlib always replaces
     *((f"data.{key}", DataConfig, "data.name", ("sft",)) for key in _SFT_KEYS),
+    ("data.messages_field", DataConfig, "data.format", ("auto", "messages")),  # a forced format reads its own
+    ("data.prompt_field", DataConfig, "data.format", ("auto", "prompt_completion")),
+    ("data.completion_field", DataConfig, "data.format", ("auto", "prompt_completion")),
     ("data.val_percent", DataConfig, "data.val_paths", ([],)),
     ("data.cache_dir", DataConfig, "data.name", ("text", "jsonl", "tokens", "hf", "sft")),  # stdlib: in memory
     ("optim.betas", OptimConfig, "optim.name", ("adamw",)),
