@@ -45,11 +45,13 @@ LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _base_dir(path, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A tiny "pretrained" Llama: random weights, saved with save_pretrained (in `dtype`)."""
+def _base_dir(path, seed: int = 0, dtype: torch.dtype = torch.float32, tied: bool = False):
+    """A tiny "pretrained" Llama: random weights, saved with save_pretrained (in `dtype`); `tied`: its
+    output head shares the input embeddings' weight (tie_word_embeddings, as in Llama 3.2 1B or Qwen2.5 0.5B)."""
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                      tie_word_embeddings=tied)
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(path)
     return path
@@ -213,6 +215,22 @@ def test_merged_export_is_a_plain_transformers_model_with_the_same_logits(tmp_pa
     assert torch.allclose(_logits(merged), expected, rtol=0, atol=1e-5)
     export(run_dir, tmp_path / "adapter")  # without --merge: the adapter directory
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.filterwarnings("ignore:Model (has|with) `tie_word_embeddings=True`:UserWarning")
+@pytest.mark.parametrize("adapted", [["lm_head", "q_proj"], ["embed_tokens", "q_proj"]])
+def test_an_adapter_on_a_tied_head_or_embedding_merges_to_the_logits_it_trained_to(tmp_path, adapted):
+    # Folded into a weight that the head and the embeddings share, the adapter of one would change both.
+    base = _base_dir(tmp_path / "base", tied=True)
+    model, spec, engine, _ = _trained(base, target_modules=adapted)
+    save_final(tmp_path / "run", model, engine.model_state_dict(trainable_only=True), spec, 3, {})
+    model.eval()
+    export(tmp_path / "run", tmp_path / "merged", merge=True)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(_logits(merged), _logits(model), rtol=0, atol=1e-5)
+    assert not merged.config.tie_word_embeddings  # the head and the embeddings now differ
+    kept = transformers.AutoModelForCausalLM.from_pretrained(base)  # the tie is cut in the merge, not in the base
+    assert kept.lm_head.weight is kept.model.embed_tokens.weight
 
 
 def test_a_bf16_base_loads_and_merges_in_fp32_the_dtype_it_trained_in(tmp_path):

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddptrain.models.spec import ModelError
+from ddptrain.models.spec import ModelError, tied_parameters
 
 ALL_LINEAR = "all-linear"
 """peft's name for every linear layer but the output head: attention and MLP projections."""
@@ -122,8 +122,26 @@ def load_adapter(base: nn.Module, directory: Path) -> nn.Module:
 
 def merge(model: nn.Module) -> nn.Module:
     """The base model with each adapter folded into its weight (W + (alpha / r) B A): a plain
-    transformers model (peft's merge_and_unload)."""
+    transformers model (peft's merge_and_unload), with the adapted model's logits. An adapter on a
+    weight that two layers share (the head and the input embeddings of a tie_word_embeddings model)
+    would be folded into both: that tie is cut first (peft issue 2777)."""
+    _untie_adapted(model.get_base_model())
     return model.merge_and_unload()
+
+
+def _untie_adapted(base: nn.Module) -> None:
+    """Give every alias of a tied weight under an adapted layer (peft's `base_layer`) its own copy,
+    and tell the config so: save_pretrained then writes both, and from_pretrained ties nothing."""
+    untied = False
+    for alias, first in tied_parameters(base).items():
+        if ".base_layer." in f".{alias}" or ".base_layer." in f".{first}":
+            owner, _, name = alias.rpartition(".")
+            module = base.get_submodule(owner)
+            setattr(module, name, nn.Parameter(getattr(module, name).detach().clone(), requires_grad=False))
+            untied = True
+    if untied:
+        base.config.tie_word_embeddings = False
+        base.config.get_text_config().tie_word_embeddings = False  # composite configs keep it in their text part
 
 
 def is_adapted(model: nn.Module) -> bool:
