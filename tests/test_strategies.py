@@ -4,6 +4,7 @@ and FSDP (filler microbatches), against one process that saw everything; sharded
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -187,18 +188,20 @@ def test_an_unknown_shard_module_is_refused_before_the_process_group_naming_the_
 def test_fsdp_resumes_bitwise_and_load_model_reads_its_checkpoint(tmp_path):
     args = [*TINY_RUN, "strategy=fsdp", "trainer.precision=fp64", "batch.global_size=8", "batch.seq_len=128",
             "batch.micro_size=2", "optim.decay_steps=8"]
-    straight = tmp_path / "straight"
-    assert run_cli([*args, "trainer.max_steps=8", f"run.dir={straight}"], nproc=2).returncode == 0
-    same = tmp_path / "same"
-    assert run_cli([*args, "trainer.max_steps=4", f"run.dir={same}"], nproc=2).returncode == 0
-    result = run_cli([*args, "trainer.max_steps=8", f"run.dir={same}"], nproc=2)
+    straight = tmp_path / "straight"  # its checkpoint of step 4 is the one the other run resumes from
+    assert run_cli([*args, "trainer.max_steps=8", "checkpoint.every=4", f"run.dir={straight}"], nproc=2).returncode == 0
+    same = tmp_path / "same"  # the straight run as it stood after step 4, not trained a second time
+    shutil.copytree(straight, same)
+    shutil.rmtree(same / "checkpoints" / "step_00000008")
+    shutil.rmtree(same / "final")
+    (same / "metrics.jsonl").write_text("".join(line + "\n" for line in
+                                                (same / "metrics.jsonl").read_text().splitlines()[:4]))
+    result = run_cli([*args, "trainer.max_steps=8", "checkpoint.every=4", f"run.dir={same}"], nproc=2)
     assert result.returncode == 0 and "resumed from" in result.stderr, result.stderr[-3000:]
     assert [m["loss"] for m in read_metrics(same)] == [m["loss"] for m in read_metrics(straight)]  # bitwise
     # Resharding to other world sizes and strategies: tests/test_transitions.py and tests/test_hsdp.py.
     reference = ddptrain.load_model(straight)
     assert relative_difference(ddptrain.load_model(same).state_dict(), reference.state_dict()) == 0
-    import shutil
-
     shutil.rmtree(same / "final")  # load_model reads the DCP checkpoint itself
     assert relative_difference(ddptrain.load_model(same).state_dict(), reference.state_dict()) == 0
 
