@@ -4,6 +4,7 @@ transition table in docs/checkpoints-and-preemption.md."""
 
 from __future__ import annotations
 
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -28,11 +29,11 @@ def train(run_dir: Path, steps: int, strategy: str, nproc: int, precision: str, 
 
 
 def chain(run_dir: Path, precision: str, legs: list[tuple[int, str, int]]) -> list[float]:
-    """Train one run dir leg by leg: (up to step, strategy, ranks); every leg after the first resumes."""
-    for index, (steps, strategy, nproc) in enumerate(legs):
+    """Train one run dir leg by leg: (up to step, strategy, ranks); every leg resumes. The first leg
+    is already in run_dir (`prefix`: the straight run's first steps) and is not trained again."""
+    for steps, strategy, nproc in legs[1:]:
         log = train(run_dir, steps, strategy, nproc, precision)
-        if index:
-            assert "resumed from" in log, log[-3000:]
+        assert "resumed from" in log, log[-3000:]
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, legs[-1][0] + 1)), "one metrics line per step"
     return [m["loss"] for m in metrics]
@@ -44,26 +45,55 @@ def assert_same_curve(losses: list[float], reference: list[float], tolerance: fl
     assert worst < tolerance, f"largest relative difference {worst:.2e} (allowed {tolerance:.0e})"
 
 
+def straight(tmp_path_factory, name: str, steps: int, precision: str) -> Path:
+    """ddp on 2 ranks from step 1 to `steps`, every checkpoint kept: the reference curve, and the
+    first leg of a chain (`prefix`)."""
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    train(run_dir, steps, "ddp", 2, precision, f"checkpoint.keep={steps // 2}")
+    return run_dir
+
+
+def prefix(straight_dir: Path, steps: int, run_dir: Path) -> Path:
+    """A copy of the straight run as it stood after `steps` steps (its checkpoint of that step the
+    newest, one metrics line per step): the ddp leg that begins a chain, not trained a second time."""
+    shutil.copytree(straight_dir, run_dir)
+    shutil.rmtree(run_dir / "final")
+    for checkpoint in (run_dir / "checkpoints").iterdir():
+        if int(checkpoint.name.removeprefix("step_")) > steps:
+            shutil.rmtree(checkpoint)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines[:steps]) + "\n")
+    return run_dir
+
+
 @pytest.fixture(scope="module")
-def straight_fp32(tmp_path_factory) -> list[float]:
-    run_dir = tmp_path_factory.mktemp("straight_fp32")
-    train(run_dir, 12, "ddp", 2, "fp32")
+def straight_fp64(tmp_path_factory) -> Path:
+    return straight(tmp_path_factory, "straight_fp64", 10, "fp64")
+
+
+@pytest.fixture(scope="module")
+def straight_fp32(tmp_path_factory) -> Path:
+    return straight(tmp_path_factory, "straight_fp32", 12, "fp32")
+
+
+def losses_of(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir)]
 
 
-def test_fp64_ddp_to_fsdp_on_one_rank_and_back_keeps_the_curve(tmp_path):
-    straight = tmp_path / "straight"
-    train(straight, 10, "ddp", 2, "fp64")
-    losses = chain(tmp_path / "run", "fp64", [(4, "ddp", 2), (8, "fsdp", 1), (10, "ddp", 2)])
-    assert_same_curve(losses, [m["loss"] for m in read_metrics(straight)], 1e-9)
+def test_fp64_ddp_to_fsdp_on_one_rank_and_back_keeps_the_curve(tmp_path, straight_fp64):
+    """ddp on 2 ranks to step 4 (the straight run's), fsdp on 1 to step 8, ddp on 2 to step 10."""
+    run_dir = prefix(straight_fp64, 4, tmp_path / "run")
+    losses = chain(run_dir, "fp64", [(4, "ddp", 2), (8, "fsdp", 1), (10, "ddp", 2)])
+    assert_same_curve(losses, losses_of(straight_fp64), 1e-9)
 
 
 def test_fp32_ddp_through_zero2_and_zero3_on_one_and_two_ranks_keeps_the_curve(tmp_path, straight_fp32):
     """Every ZeRO save resumed on the other rank count: zero2 and zero3 each saved on 1 rank and on 2,
-    each resumed by the next leg on the other (ddp's save on 2 begins it)."""
+    each resumed by the next leg on the other (ddp's save on 2, the straight run's of step 2, begins it)."""
     import_deepspeed()
     legs = [(2, "ddp", 2), (4, "zero2", 1), (6, "zero2", 2), (8, "zero3", 1), (10, "zero3", 2), (12, "zero2", 1)]
-    assert_same_curve(chain(tmp_path / "run", "fp32", legs), straight_fp32, 2e-5)
+    run_dir = prefix(straight_fp32, 2, tmp_path / "run")
+    assert_same_curve(chain(run_dir, "fp32", legs), losses_of(straight_fp32), 2e-5)
 
 
 def _legacy_run(tmp_path: Path, name: str) -> Path:
@@ -75,17 +105,19 @@ def _legacy_run(tmp_path: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize("strategy, precision, tolerance", [("ddp", "fp64", 1e-9), ("zero2", "fp32", 2e-5)])
-def test_a_checkpoint_from_before_the_neutral_layout_resumes_with_its_strategy(tmp_path, strategy, precision,
+def test_a_checkpoint_from_before_the_neutral_layout_resumes_with_its_strategy(tmp_path, request, strategy, precision,
                                                                                tolerance):
     if strategy.startswith("zero"):
         import_deepspeed()
     run_dir = _legacy_run(tmp_path, strategy)
     log = train(run_dir, 6, strategy, 2, precision, "checkpoint.every=4")
     assert "resumed from" in log and "step_00000004" in log
-    straight = tmp_path / "straight"
-    train(straight, 6, strategy, 2, precision, "checkpoint.every=4")
-    assert_same_curve([m["loss"] for m in read_metrics(run_dir)], [m["loss"] for m in read_metrics(straight)],
-                      tolerance)
+    if strategy == "ddp":  # the fp64 chain's straight run: ddp on 2 ranks, its first 6 steps
+        straight = request.getfixturevalue("straight_fp64")
+    else:
+        straight = tmp_path / "straight"
+        train(straight, 6, strategy, 2, precision, "checkpoint.every=4")
+    assert_same_curve(losses_of(run_dir), losses_of(straight), tolerance)
     assert (run_dir / "checkpoints" / "step_00000006" / "state" / ".metadata").is_file(), "the next one is neutral"
 
 
