@@ -38,13 +38,15 @@ from ddptrain.fsutil import fsync_file, pid_is_running, rename
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 """2: the hash split reads names relative to the sources' directory (SplitNames); 3: a tokenizer.json's
 saved truncation and padding are switched off (ddptrain.data.tokenizer.HFTokenizer); 4: blank JSONL
 lines and whitespace-only text files are no documents (data.max_docs and the short count skip them); 5:
 nor are empty or whitespace-only JSONL fields and Hugging Face rows (data=jsonl, data=hf); 6: data=sft's
 assistant turns, split by prefixes, end at an end-of-turn marker that is an added token but not special
-(the newline after it was a target: ChatTokenizer._end_of_turn)."""
+(the newline after it was a target: ChatTokenizer._end_of_turn); 7: data=sft refuses a message whose content
+holds special-token text (it was encoded as the token: forged turns), so an entry built from such data is not
+reused."""
 _META = "meta.json"
 
 

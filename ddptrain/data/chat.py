@@ -19,6 +19,11 @@ chat_template.jinja or tokenizer_config.json), or `data.chat_template=PATH` inst
 - Either way the end-of-turn marker, what the template writes right after an assistant message's
   content (`<|im_end|>`, `<|eot_id|>`), must be one token of the tokenizer: split into pieces it
   would be trained as text and generation could not stop at it. The first conversation checks it.
+- A message's content may not hold the text of a special token (`<|im_end|>`, `<|im_start|>`, the
+  EOS), nor of the end-of-turn marker when that is an added token: the tokenizer would read it as
+  the token itself, so data could end a turn or open another inside a message (an assistant reply
+  trained to stop at a forged end-of-turn, a user message that opens a forged assistant turn).
+  `special_text_in` finds it; data/sft.py refuses the record, naming the message.
 - Prompt-completion strings, with or without a template: prompt tokens (with the tokenizer's own
   special tokens, e.g. BOS), completion tokens, then EOS; the completion and EOS are the targets.
 """
@@ -93,6 +98,8 @@ class ChatTokenizer:
         self.eos_id = int(self.tokenizer.eos_token_id)
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
         self.special_ids = set(self.tokenizer.all_special_ids) | {i for i, t in decoder.items() if t.special}
+        self._added_texts = {i: token.content for i, token in decoder.items()}
+        self._special_texts: re.Pattern | None = None  # special_text_in's, once the end-of-turn marker is known
         self._version = transformers.__version__
         self._tokenizers_version = tokenizers.__version__
 
@@ -139,6 +146,24 @@ class ChatTokenizer:
             ids.add(self._end_of_turn_id)
         return sorted(ids)
 
+    def special_text_in(self, text: str) -> str | None:
+        """The first text in `text` that the tokenizer reads as a special token, or as the template's
+        end-of-turn marker when that is an added token (None: there is none). Other added tokens, like
+        <think>, are vocabulary the data may write."""
+        if self._special_texts is None:
+            self._checked_end_of_turn()
+            ids = set(self.special_ids)
+            if self._end_of_turn_id in self._added_texts:
+                ids.add(self._end_of_turn_id)
+            # Only what encodes to its one token (a special token that is not an added token, or one the
+            # tokenizer splits, is text); whitespace is everyday text, whatever a tokenizer calls it.
+            texts = {i: self._added_texts.get(i) or self.tokenizer.convert_ids_to_tokens(i) for i in ids}
+            texts = sorted((t for i, t in texts.items() if t and not t.isspace() and self.encode(t) == [i]),
+                           key=len, reverse=True)
+            self._special_texts = re.compile("|".join(map(re.escape, texts)) or r"(?!)")
+        found = self._special_texts.search(text)
+        return found.group() if found else None
+
     # -- prompt-completion strings -------------------------------------------------------------------
 
     def prompt_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
@@ -154,9 +179,7 @@ class ChatTokenizer:
         if self.template is None:
             raise DataError(f"{name}: the tokenizer {self.path} has no chat template (chat_template.jinja or "
                             "tokenizer_config.json), needed for conversations; give data.chat_template=PATH")
-        if not self._end_of_turn_checked:
-            self._check_end_of_turn()
-            self._end_of_turn_checked = True
+        self._checked_end_of_turn()
         if self.has_generation_markers:  # the template decides; else _end_of_turn, alike for both kinds of marker
             rendered = self._apply(name, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
@@ -176,6 +199,11 @@ class ChatTokenizer:
         at = text.rfind(content)
         after = text[at + len(content):].split() if at >= 0 else []
         return after[0] if after else None
+
+    def _checked_end_of_turn(self) -> None:
+        if not self._end_of_turn_checked and self.template is not None:
+            self._check_end_of_turn()
+            self._end_of_turn_checked = True
 
     def _check_end_of_turn(self) -> None:
         """Refuse a template whose end-of-turn marker the tokenizer splits into several tokens: ChatML on a

@@ -65,8 +65,8 @@ def _field(name: str, record: dict, key: str, setting: str):
     return record[key]
 
 
-def _messages(name: str, value, what: str) -> list[dict]:
-    """A checked list of messages: objects with a known role and string content."""
+def _messages(name: str, value, what: str, tokenizer: ChatTokenizer) -> list[dict]:
+    """A checked list of messages: objects with a known role and string content without special-token text."""
     if not isinstance(value, list) or not value:
         kind = "an empty list" if isinstance(value, list) else type(value).__name__
         raise DataError(f"{name}: {what} is {kind}, not a list of messages")
@@ -85,6 +85,13 @@ def _messages(name: str, value, what: str) -> list[dict]:
         if not isinstance(message["content"], str):
             raise DataError(f"{name}: message {number} has 'content' of type {type(message['content']).__name__}, "
                             "not a string")
+        special = tokenizer.special_text_in(message["content"])
+        if special is not None:
+            raise DataError(f"{name}: message {number} ({message['role']}) of {what} holds {special!r}, the text of a "
+                            f"special token of the tokenizer {tokenizer.path}, which reads it as that token, not as "
+                            "text (a turn ended or opened inside the message, trained as if the data said so); "
+                            "message content may not contain the tokenizer's special-token text; remove it from the "
+                            f"data, or write it apart (like {special[:1] + ' ' + special[1:]!r})")
         checked.append(message)
     return checked
 
@@ -104,7 +111,7 @@ def encode_record(name: str, record: dict, data_cfg: Any, tokenizer: ChatTokeniz
     last = data_cfg.train_on == "last_assistant"
     if form == "messages":
         messages = _messages(name, _field(name, record, data_cfg.messages_field, "data.messages_field"),
-                             f"field {data_cfg.messages_field!r}")
+                             f"field {data_cfg.messages_field!r}", tokenizer)
         assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant:
             return None
@@ -116,10 +123,11 @@ def encode_record(name: str, record: dict, data_cfg: Any, tokenizer: ChatTokeniz
             raise DataError(f"{name}: the completion is empty (field {data_cfg.completion_field!r}): nothing to train on")
         return tokenizer.prompt_completion(prompt, completion)
     if isinstance(prompt, list) and isinstance(completion, list):
-        prompt = _messages(name, prompt, f"the prompt (field {data_cfg.prompt_field!r})")
+        prompt = _messages(name, prompt, f"the prompt (field {data_cfg.prompt_field!r})", tokenizer)
         if not completion:
             raise DataError(f"{name}: the completion is empty (field {data_cfg.completion_field!r}): nothing to train on")
-        completion = _messages(name, completion, f"the completion (field {data_cfg.completion_field!r})")
+        completion = _messages(name, completion, f"the completion (field {data_cfg.completion_field!r})",
+                               tokenizer)
         assistant = [len(prompt) + k for k, m in enumerate(completion) if m["role"] == "assistant"]
         if not assistant:
             raise DataError(f"{name}: the completion has no assistant message (roles "
