@@ -21,6 +21,7 @@ from pathlib import Path
 from torch import nn
 
 from ddptrain.models import GPT, lora
+from ddptrain.models.adapters import GENERATION_CONFIG
 from ddptrain.models.hf import TOKENIZER_FILES
 from ddptrain.models.spec import ModelError
 from ddptrain.train.checkpoint import CheckpointError
@@ -88,13 +89,16 @@ def _to_hf(model: nn.Module, run_dir: Path) -> nn.Module:
 
 
 def _copy_tokenizer_files(weights: TrainedWeights, out_dir: Path) -> None:
-    """final/'s tokenizer files; for a checkpoint, what save_final would have put beside its weights
+    """final/'s tokenizer files, and its generation_config.json where save_pretrained wrote none (a
+    PEFT adapter directory: before, an adapter exported from final/ had no stop tokens, one exported
+    from a checkpoint had them); for a checkpoint, what save_final would have put beside its weights
     (the tokenizer files, the chat template and the tokens generation stops at, from its run's config)."""
     source = weights.directory  # the directory the model was loaded from
     if not weights.is_final:
         save_tokenizer_files(out_dir, *checkpoint_tokenizer_files(source, weights.trainer_state))
         return
-    for name in TOKENIZER_FILES:
+    names = [*TOKENIZER_FILES, *([] if (out_dir / GENERATION_CONFIG).exists() else [GENERATION_CONFIG])]
+    for name in names:
         if (source / name).is_file():
             shutil.copy2(source / name, out_dir / name)
 

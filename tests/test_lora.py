@@ -371,7 +371,19 @@ def test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits(tmp_path):
     assert torch.allclose(_logits(merged), _logits(ddptrain.load_model(run_dir)), rtol=0, atol=1e-5)
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)  # generation stops at end of turn and at EOS
-    assert merged.generation_config.eos_token_id == sorted(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<eos>"]))
+    stops = sorted(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<eos>"]))
+    assert merged.generation_config.eos_token_id == stops
+    # The adapter directory, from final/ and from the newest checkpoint: the same files, the same stop
+    # tokens (before, final/'s export dropped generation_config.json: generation never stopped).
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(run_dir, unfinished, ignore=shutil.ignore_patterns("final"))
+    export(run_dir, tmp_path / "adapter")
+    export(unfinished, tmp_path / "adapter-of-a-checkpoint")
+    for adapter in (tmp_path / "adapter", tmp_path / "adapter-of-a-checkpoint"):
+        config = transformers.GenerationConfig.from_pretrained(adapter)
+        assert config.eos_token_id == stops, (adapter, config.eos_token_id)
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} == \
+        {p.name for p in (tmp_path / "adapter-of-a-checkpoint").iterdir()}
 
 
 @pytest.mark.slow
