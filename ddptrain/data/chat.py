@@ -157,8 +157,8 @@ class ChatTokenizer:
                 ids.add(self._end_of_turn_id)
             # Only what encodes to its one token (a special token that is not an added token, or one the
             # tokenizer splits, is text); whitespace is everyday text, whatever a tokenizer calls it.
-            texts = {i: self._added_texts.get(i) or self.tokenizer.convert_ids_to_tokens(i) for i in ids}
-            texts = sorted((t for i, t in texts.items() if t and not t.isspace() and self.encode(t) == [i]),
+            text_of = {i: self._added_texts.get(i) or self.tokenizer.convert_ids_to_tokens(i) for i in ids}
+            texts = sorted((t for i, t in text_of.items() if t and not t.isspace() and self.encode(t) == [i]),
                            key=len, reverse=True)
             self._special_texts = re.compile("|".join(map(re.escape, texts)) or r"(?!)")
         found = self._special_texts.search(text)

@@ -7,10 +7,10 @@
             tokenizes or masks the same files another way, and rebuilds its cache, changes it)
 
 No absolute path and no cache format version, so a run dir or corpus moved whole, or a ddptrain
-upgrade that builds the same examples from it, still resumes. A difference is refused with the key, the old and the new value, like a
-changed config key (ddptrain/train/resume.py); checkpoint.accept_changed_data=true accepts a
-changed corpus (a file appended to, a new file matching the glob) with a warning that the data
-order differs from here on. A checkpoint written before fingerprints resumes without the check, and
+upgrade that builds the same examples from it, still resumes. A difference is refused with the key,
+the old and the new value, like a changed config key (ddptrain/train/resume.py);
+checkpoint.accept_changed_data=true accepts a changed corpus (a file appended to, a new file
+matching the glob) with a warning that the data order differs from here on. A checkpoint written before fingerprints resumes without the check, and
 one written before a key of ADDED was fingerprinted is not compared on that key, so an upgrade that
 fingerprints more still resumes.
 """
