@@ -198,7 +198,8 @@ class Engine:
         local = torch.zeros(1 + get_world_size(), dtype=torch.int64, device=self.device)
         for _, targets in microbatches:
             local[0] += (targets != IGNORE_INDEX).sum()
-        local[1 + get_rank()] = len(microbatches)
+        # fill_, not `local[i] = n`: item assignment copies n from the host, a sync on CUDA
+        local.narrow(0, 1 + get_rank(), 1).fill_(len(microbatches))
         if not is_distributed():
             return local, lambda: None
         work = dist.all_reduce(local, op=dist.ReduceOp.SUM, async_op=True)
