@@ -202,12 +202,82 @@ def test_every_backend_equals_the_dense_mask_on_cuda(backend, dtype, tolerance, 
     assert_close(ours, reference, tolerance, backend)
 
 
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.9-2.10's varlen_attn signature (is_causal; no scale, window_size or enable_gqa), computed
+    document by document with causal SDPA at its default 1/sqrt(d) scale: the older API on any device."""
+    assert is_causal and key.size(1) == query.size(1) and return_aux is None
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    pieces = []
+    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))  # (1, H, L, d)
+        pieces.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1))
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["default_scale", "scale"])
+def test_varlen_on_an_older_torch_expands_grouped_heads_and_folds_the_scale_into_q(monkeypatch, scale):
+    """torch 2.9-2.10's varlen_attn takes is_causal and nothing else: grouped key/value heads are
+    repeated for it and a custom scale is folded into q; the result equals the dense mask (fp64)."""
+    import torch.nn.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", reference_varlen_attn)
+    monkeypatch.setattr(attention, "_VARLEN_KEYWORDS", {"is_causal", "return_aux"})
+    documents = DocumentBoundaries.from_segments(ragged_segments(3, 128))
+    tensors = qkv((3, 4, 128, 8), 2, torch.float64)
+    reference = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("mask"), scale=scale), tensors)
+    ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("varlen"), scale=scale), tensors)
+    assert_close(ours, reference, 1e-9, "varlen, older API")
+    # A sliding window has no older-API kernel: those layers take the gather backend, still exact.
+    windowed = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("varlen"), window=6), tensors)
+    assert_close(windowed, outputs_and_grads(lambda *t: attention.attend(*t, documents.using("mask"), window=6),
+                                             tensors), 1e-9, "varlen without window_size")
+
+
+@needs_cuda
+@pytest.mark.parametrize("keywords", ["this_torch", "older_torch"])
+def test_varlen_equals_the_dense_mask_on_cuda_through_either_api(monkeypatch, keywords):
+    """The real kernel, called as this torch's API allows and as torch 2.9-2.10's did (grouped heads
+    repeated, the scale folded into q, causal through is_causal where window_size is missing)."""
+    if keywords == "older_torch":
+        kept = {"return_aux"} | ({"is_causal"} & attention._varlen_keywords())
+        if "is_causal" not in kept:  # this torch's kernel takes window_size for causality: keep that alone
+            kept.add("window_size")
+        monkeypatch.setattr(attention, "_VARLEN_KEYWORDS", kept)
+    documents = DocumentBoundaries.from_segments(ragged_segments(3, 256)).to("cuda")
+    tensors = qkv((3, 4, 256, 32), 2, torch.bfloat16, "cuda")
+    reference = outputs_and_grads(lambda *t: attention.attend(*(x.float() for x in t), documents.using("mask"),
+                                                              scale=0.2), tensors)
+    ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("varlen"), scale=0.2), tensors)
+    assert_close(ours, reference, 2e-2, f"varlen ({keywords})")
+
+
+@needs_cuda
+def test_flex_refuses_heads_of_fewer_than_16_dimensions_on_cuda():
+    documents = DocumentBoundaries.from_segments(ragged_segments(2, 64)).to("cuda")
+    q, k, v = qkv((2, 4, 64, 8), 4, torch.float32, "cuda")
+    with pytest.raises(attention.AttentionError, match=r"trainer.attention=flex needs a head dimension of at least 16 "
+                                                       r"on CUDA .*this model's is 8"):
+        attention.attend(q, k, v, documents.using("flex"))
+
+
+def test_the_gather_buckets_keep_sdpa_off_cudnn_on_cuda_only():
+    """cuDNN builds a graph per new shape (2.4 s fwd+bwd of one fresh 16 x 1024 microbatch's buckets,
+    seen on an H200): the gather's buckets, new shapes in every microbatch, run on the other kernels."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention._without_cudnn(True):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with attention._without_cudnn(False):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 # -- the built-in GPT --------------------------------------------------------------------------------------
 
 
-def packed_gpt(dtype, backend, device="cpu"):
+def packed_gpt(dtype, backend, device="cpu", n_embd=32):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=4, n_embd=32)).to(device, dtype)
+    model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=4, n_embd=n_embd)).to(device, dtype)
     model.attention_backend = backend
     return model
 
@@ -250,26 +320,27 @@ def test_gpt_gather_equals_the_dense_mask_in_fp32():
 def test_gpt_every_backend_equals_the_dense_mask_on_cuda(backend):
     batch, targets = packed_microbatch(rows=4, seed=2)
     on_cuda = {key: value.to("cuda") for key, value in batch.items()}
-    reference = gpt_outputs(packed_gpt(torch.float32, "mask", "cuda"), on_cuda, targets)
+    # A head dimension of 16: FlexAttention's compiled CUDA kernel takes no less.
+    reference = gpt_outputs(packed_gpt(torch.float32, "mask", "cuda", n_embd=64), on_cuda, targets)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=backend == "varlen"):
-        ours = gpt_outputs(packed_gpt(torch.float32, backend, "cuda"), on_cuda, targets)
+        ours = gpt_outputs(packed_gpt(torch.float32, backend, "cuda", n_embd=64), on_cuda, targets)
     assert_all_close(ours, reference, 3e-2 if backend == "varlen" else 1e-5, backend)
 
 
 # -- model=hf ----------------------------------------------------------------------------------------------
 
 
-def hf_model(tmp_path, kind="llama", attn_implementation="sdpa", **extra):
+def hf_model(tmp_path, kind="llama", attn_implementation="sdpa", hidden_size=32, **extra):
     """A tiny model saved with random weights (no hub), loaded as model=hf loads model.path."""
     transformers = import_optional("transformers")
     from ddptrain.models import hf
 
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
-    config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = config_class(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                           bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
-    path = tmp_path / kind
+    path = tmp_path / f"{kind}_{hidden_size}"
     if not path.exists():
         torch.manual_seed(0)
         model_class(config).save_pretrained(path)
@@ -302,6 +373,28 @@ def test_llama_through_model_hf_gather_equals_the_dense_mask_in_fp64(tmp_path):
     with torch.no_grad():
         for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": padding}):
             assert torch.equal(model(**kwargs).logits, sdpa(**kwargs).logits), kwargs.keys()
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 4})],
+                         ids=["llama_gqa", "mistral_sliding_window"])
+@pytest.mark.parametrize("backend", ["gather", "flex", "varlen"])
+def test_model_hf_every_backend_equals_the_dense_mask_on_cuda(tmp_path, kind, extra, backend):
+    """Llama (grouped-query) and Mistral (a window of 4) through model=hf on CUDA, logits and
+    gradients: gather and flex in fp32 to 1e-5, varlen under bf16 autocast (q and k leave the rotary
+    embedding in fp32 there), each against the dense mask in fp32. Heads of 16 dimensions (flex's least)."""
+    from ddptrain.models import hf
+
+    batch, targets = packed_microbatch(rows=4, seed=4)
+    on_cuda = {key: value.to("cuda") for key, value in batch.items()}
+    reference_model = hf_model(tmp_path, kind, hidden_size=64, **extra).float().cuda()
+    hf.use_packed_attention(reference_model, "mask")
+    reference = hf_outputs(reference_model, on_cuda, targets.cuda())
+    model = hf_model(tmp_path, kind, hidden_size=64, **extra).float().cuda()
+    hf.use_packed_attention(model, backend)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=backend == "varlen"):
+        ours = hf_outputs(model, on_cuda, targets.cuda())
+    assert_all_close([t.float() for t in ours], reference, 3e-2 if backend == "varlen" else 1e-5, f"{kind} {backend}")
 
 
 def test_a_sliding_window_model_computes_each_document_as_if_alone(tmp_path):
@@ -435,7 +528,7 @@ def test_a_packed_step_reads_nothing_back_from_the_device(backend):
 def test_a_packed_step_makes_no_host_sync_on_cuda(backend):
     from tests.test_host_syncs import device_syncs
 
-    model = packed_gpt(torch.float32, backend, "cuda")
+    model = packed_gpt(torch.float32, backend, "cuda", n_embd=64)
     engine = ddptrain.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "ddp",
                              precision="bf16" if backend == "varlen" else "fp32", device=torch.device("cuda"))
     pin = lambda mb: ({k: v.pin_memory() for k, v in mb[0].items()}, mb[1].pin_memory())
@@ -462,8 +555,9 @@ def test_gather_of_one_document_per_row_is_causal_attention_over_the_rows():
     assert documents.rows_are_documents
     tensors = qkv((2, 4, 64, 8), 2, torch.float64)
     reference = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("mask"), window=5), tensors)
-    ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using("gather"), window=5), tensors)
-    assert_close(ours, reference, 1e-9, "gather, whole rows")
+    for backend in ("gather", "varlen", "flex"):  # varlen and flex too: causal SDPA is exact and faster there
+        ours = outputs_and_grads(lambda *t: attention.attend(*t, documents.using(backend), window=5), tensors)
+        assert_close(ours, reference, 1e-9, f"{backend}, whole rows")
 
 
 @pytest.mark.slow

@@ -19,11 +19,14 @@ Backends (`trainer.attention`, picked at start-up by `select_backend`):
   needed. The gather is one permutation with padding, and so is its backward: index_select both
   ways, never index_select's scatter-add backward (slow on CPU); the buckets are one split of the
   buffer, whose backward is one cat (a slice per bucket would add up a zero tensor of the whole
-  buffer per bucket). Rows that are whole documents go straight to causal SDPA.
+  buffer per bucket). On CUDA the buckets' SDPA calls never take cuDNN's backend, which builds a
+  graph for every new shape (`_without_cudnn`). Rows that are whole documents go straight to causal
+  SDPA, on varlen and flex too.
 - varlen (CUDA, bf16/fp16): torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`)
-  over the flattened rows with cu_seqlens and the host's max length.
-- flex (CUDA): FlexAttention, compiled, with a document block mask (same segment, causal), as
-  torchtitan does.
+  over the flattened rows with cu_seqlens and the host's max length, through whichever keywords
+  this torch's `varlen_attn` has (they changed between torch 2.9 and 2.13).
+- flex (CUDA, heads of 16 dimensions or more): FlexAttention, compiled, with a document block mask
+  (same segment, causal), as torchtitan does.
 - mask: the dense (B, 1, T, T) boolean mask with SDPA: the reference, and the fallback where the
   others do not apply (with a warning).
 
@@ -37,6 +40,7 @@ recompile for each new document layout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -69,11 +73,28 @@ def select_backend(requested: str, device_type: str, precision: str) -> str:
     if requested not in ATTENTION_BACKENDS:
         raise AttentionError(f"trainer.attention={requested!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if requested == "auto":
-        return "varlen" if attention_refusal("varlen", device_type, precision) is None else "gather"
-    refusal = attention_refusal(requested, device_type, precision)
+        return "varlen" if _refusal("varlen", device_type, precision) is None else "gather"
+    refusal = _refusal(requested, device_type, precision)
     if refusal is not None:
         raise AttentionError(refusal)
     return requested
+
+
+def _refusal(backend: str, device_type: str, precision: str) -> str | None:
+    """attention_refusal's rule for the device and precision, then whether this torch has the kernel."""
+    refusal = attention_refusal(backend, device_type, precision)
+    if refusal is None and backend == "varlen" and not _has_varlen():
+        refusal = (f"trainer.attention=varlen needs torch.nn.attention.varlen (torch >= 2.9); this torch is "
+                   f"{torch.__version__}: use trainer.attention=auto, gather, flex or mask")
+    return refusal
+
+
+def _has_varlen() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def without_dropout(backend: str, dropout: float, forced: bool) -> str:
@@ -129,7 +150,9 @@ def _attend(q, k, v, documents, scale, dropout, window):
     if dropout and backend in ("varlen", "flex"):
         raise AttentionError(f"trainer.attention={backend} has no attention dropout ({dropout}); "
                              "use trainer.attention=gather or mask")
-    if backend == "gather":
+    if backend == "gather" or (backend in ("varlen", "flex") and documents.rows_are_documents):
+        # Rows that are whole documents need no kernel of documents: causal SDPA over the rows is
+        # exact, and faster than the varlen and flex kernels (H200, bf16: varlen 1.7x its time at T=4096).
         return _gather(q, k, v, documents, scale, dropout, window)
     if backend == "varlen":
         return _varlen(q, k, v, documents, scale, window)
@@ -204,27 +227,94 @@ def _gather(q, k, v, documents, scale, dropout, window):
     # bucket and per q, k, v, summed); split's is one cat.
     sizes = [docs * longest for docs, longest in documents.buckets]
     pieces = []
-    for number, ((docs, longest), *qkv) in enumerate(zip(documents.buckets, *(t.split(sizes) for t in gathered))):
-        qb, kb, vb = (t.view(docs, longest, t.size(1), dim).transpose(1, 2) for t in qkv)
-        mask = None
-        if window is not None and window < longest:
-            mask = documents.cached(("band", number, window, q.device), lambda: band_mask(longest, window, q.device))
-        pieces.append(_sdpa(qb, kb, vb, mask, scale, dropout).transpose(1, 2).reshape(docs * longest, heads, dim))
+    with _without_cudnn(q.is_cuda):
+        for number, ((docs, longest), *qkv) in enumerate(zip(documents.buckets, *(t.split(sizes) for t in gathered))):
+            qb, kb, vb = (t.view(docs, longest, t.size(1), dim).transpose(1, 2) for t in qkv)
+            mask = None
+            if window is not None and window < longest:
+                mask = documents.cached(("band", number, window, q.device),
+                                        lambda: band_mask(longest, window, q.device))
+            pieces.append(_sdpa(qb, kb, vb, mask, scale, dropout).transpose(1, 2).reshape(docs * longest, heads, dim))
     buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     rows = _Reindex.apply(buffer, documents.token_position, documents.gather_padded, True)
     return rows.view(batch, seq, heads, dim)
+
+
+def _without_cudnn(on_cuda: bool):
+    """SDPA without its cuDNN backend for the gather's buckets, on CUDA. Their shapes change with
+    every microbatch, and cuDNN builds a graph for each new shape: on an H200 (torch 2.11, where SDPA
+    picked cuDNN for them) a fresh 16 x 1024 microbatch's gather took 2.4 s fwd+bwd, nearly all of it
+    graph building, against 7-9 ms with FlashAttention or the memory-efficient kernel."""
+    if not on_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _varlen(q, k, v, documents, scale, window):
     from torch.nn.attention.varlen import varlen_attn
 
     batch, heads, seq, dim = q.shape
-    flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]
+    keywords = _varlen_keywords()
+    if window is not None and "window_size" not in keywords:
+        _warn_once(f"torch {torch.__version__}'s varlen_attn has no window_size (torch 2.11 added it): sliding-window "
+                   "layers use the gather backend")
+        return _gather(q, k, v, documents, scale, 0.0, window)
+    flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]  # (B * T, H, d)
+    dtypes = {t.dtype for t in flat}
+    if q.is_cuda and (dtypes - {torch.float16, torch.bfloat16} or len(dtypes) > 1):
+        # FlashAttention is half precision only. Under autocast, q and k may arrive in fp32 (a
+        # Llama's rotary embedding multiplies by fp32 cos/sin): cast as SDPA under autocast would.
+        if not torch.is_autocast_enabled(q.device.type):
+            raise AttentionError(f"trainer.attention=varlen runs in bf16 or fp16 only, and q, k, v are "
+                                 f"{q.dtype}, {k.dtype}, {v.dtype} outside autocast: use trainer.precision=bf16 "
+                                 "or fp16, or trainer.attention=auto")
+        half = torch.get_autocast_dtype(q.device.type)
+        flat = [t.to(half) for t in flat]
+    options = {}
+    if k.size(1) != heads:
+        if "enable_gqa" in keywords:
+            options["enable_gqa"] = True
+        else:  # older varlen_attn: every query head gets its own copy of its key/value head
+            flat[1:] = [t.repeat_interleave(heads // k.size(1), dim=1) for t in flat[1:]]
+    if scale is not None:
+        if "scale" in keywords:
+            options["scale"] = scale
+        else:  # older varlen_attn scales by 1/sqrt(d): fold the rest of `scale` into q
+            flat[0] = flat[0] * (scale * dim ** 0.5)
+    if "window_size" in keywords:
+        options["window_size"] = (-1 if window is None else window - 1, 0)  # flash counts the keys before the query
+    else:
+        options["is_causal"] = True  # torch 2.9-2.10 (is_causal was replaced by window_size=(-1, 0))
     cu = documents.cu_seqlens
-    left = -1 if window is None else window - 1  # flash counts the keys before the query
-    out = varlen_attn(*flat, cu, cu, documents.max_length, documents.max_length, scale=scale,
-                      window_size=(left, 0), enable_gqa=k.size(1) != heads)
+    out = varlen_attn(*flat, cu, cu, documents.max_length, documents.max_length, **options)
     return out.view(batch, seq, heads, dim)
+
+
+_VARLEN_KEYWORDS: set[str] | None = None
+
+
+def _varlen_keywords() -> set[str]:
+    """The keyword arguments this torch's varlen_attn takes: its API grew between torch 2.9 and 2.13
+    (is_causal, then window_size, scale and enable_gqa)."""
+    global _VARLEN_KEYWORDS
+    if _VARLEN_KEYWORDS is None:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters)
+    return _VARLEN_KEYWORDS
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
 
 
 _compiled_flex = None
@@ -238,7 +328,11 @@ def _flex(q, k, v, documents, scale, window):
         # Uncompiled, flex attention materialises the scores; compiled once, its kernel is fused.
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     segments = documents.segments
-    batch, _, seq, _ = q.shape
+    batch, _, seq, dim = q.shape
+    if q.is_cuda and dim < 16:
+        raise AttentionError(f"trainer.attention=flex needs a head dimension of at least 16 on CUDA (FlexAttention's "
+                             f"compiled kernel), and this model's is {dim}: use trainer.attention=auto, gather, "
+                             "varlen or mask")
 
     def document_causal(b, h, q_idx, kv_idx):
         allowed = (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
