@@ -11,8 +11,14 @@ and backward of:
   (CUDA only: "n/a" elsewhere; varlen in bf16/fp16 only).
 
 Document mixes: `short`, documents of 20 to 120 tokens (the corpus' short documents, as in issue
-22's microbenchmark), and `long`, one document per row. `work` is the sum of squared document
-lengths over T^2: the share of causal attention's scores that per-document attention needs.
+22's microbenchmark), and `long`, one document per row, each one layout used by every call (its
+per-microbatch work, such as the dense mask, built once, as a model's layers share it); `corpus`
+(not by default), rows packed from the standard library's paragraphs (`data=text
+data.split_by=paragraph`, byte tokens, as bench_peer trains on), a fresh microbatch in every call,
+as training sees them: what a backend does once per new layout (a mask, a block mask, a kernel
+plan for new shapes) counts in every call, as for a model of one layer. `work` is the sum of
+squared document lengths over T^2: the share of causal attention's scores that per-document
+attention needs.
 
 Times are medians over rounds, contenders interleaved (order reversed every other round), after a
 warm-up (flex compiles there). Memory: on GPU the peak allocated during one fwd+bwd above what was
@@ -24,6 +30,7 @@ A figure, not a test.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 import warnings
@@ -37,6 +44,7 @@ from ddptrain.models import attention
 
 BACKENDS = ("mask", "gather", "varlen", "flex")
 MIXES = ("short", "long")
+CORPUS = "corpus"
 
 
 def segments_of(mix: str, rows: int, seq_len: int, seed: int) -> np.ndarray:
@@ -50,6 +58,26 @@ def segments_of(mix: str, rows: int, seq_len: int, seed: int) -> np.ndarray:
         ids = np.repeat(np.arange(len(lengths)), lengths)[:seq_len]
         segments[row] = ids
     return segments
+
+
+def corpus_segments(rows: int, seq_len: int, count: int, seed: int) -> list[np.ndarray]:
+    """`count` microbatches of `rows` packed rows of the stdlib paragraphs, each padded to seq_len."""
+    from omegaconf import OmegaConf
+
+    from ddptrain.config import DataConfig
+    from ddptrain.data import load_splits
+    from ddptrain.data.packing import PackedExamples
+    from ddptrain.data.sources import stdlib_root
+
+    config = OmegaConf.structured(DataConfig(name="text", paths=[str(stdlib_root() / "*.py")], split_by="paragraph",
+                                             tokenizer="byte"))
+    packed = PackedExamples.from_examples(load_splits(config, seq_len).train, seq_len)
+    rng = np.random.default_rng(seed)
+    layouts = []
+    for _ in range(count):
+        segments = packed.collate(rng.choice(len(packed), rows, replace=False))[0]["segments"].numpy()
+        layouts.append(np.pad(segments, ((0, 0), (0, seq_len - segments.shape[1])), constant_values=-1))
+    return layouts
 
 
 def work_share(segments: np.ndarray) -> float:
@@ -92,13 +120,24 @@ def peak_bytes(run, device: torch.device) -> int:
 
 
 def measure(seq_len: int, mix: str, args, device: torch.device, dtype: torch.dtype, runnable: list[str]) -> dict:
-    segments = segments_of(mix, args.rows, seq_len, seed=seq_len)
-    documents = DocumentBoundaries.from_segments(segments).to(device)
+    if mix == CORPUS:  # a fresh microbatch in every call, warm-up included
+        layouts = corpus_segments(args.rows, seq_len, 2 + args.rounds * args.repeats, seed=seq_len)
+    else:
+        layouts = [segments_of(mix, args.rows, seq_len, seed=seq_len)]
+    boundaries = [DocumentBoundaries.from_segments(segments).to(device) for segments in layouts]
+    documents = boundaries[0]
     gen = torch.Generator().manual_seed(0)
     shape = (args.rows, args.heads, seq_len, args.head_dim)
     q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(args.rows, seq_len, args.heads, args.head_dim, generator=gen).to(device, dtype)
-    calls = {name: (lambda name=name: fwd_bwd(name, q, k, v, documents, grad)) for name in runnable}
+    if mix == CORPUS:
+        def fresh(name):
+            turn = itertools.cycle(boundaries)  # each contender sees the same microbatches in turn
+            return lambda: fwd_bwd(name, q, k, v, next(turn).to(device), grad)  # .to: an empty cache
+
+        calls = {name: fresh(name) for name in runnable}
+    else:
+        calls = {name: (lambda name=name: fwd_bwd(name, q, k, v, documents, grad)) for name in runnable}
     for call in calls.values():  # warm-up (flex compiles here); masks are cached per microbatch, as in training
         for _ in range(2):
             call()
@@ -116,7 +155,8 @@ def measure(seq_len: int, mix: str, args, device: torch.device, dtype: torch.dty
         for name in runnable:
             fresh = documents.to(device)  # an empty per-microbatch cache: the mask's build counts
             memory[name] = peak_bytes(lambda name=name: fwd_bwd(name, q, k, v, fresh, grad), device)
-    return {"docs_per_row": (len(documents.cu_seqlens) - 1) / args.rows, "work": work_share(segments),
+    return {"docs_per_row": statistics.mean(len(b.cu_seqlens) - 1 for b in boundaries) / args.rows,
+            "work": statistics.mean(work_share(segments) for segments in layouts),
             "ms": {name: 1000 * statistics.median(values) for name, values in times.items()}, "bytes": memory}
 
 

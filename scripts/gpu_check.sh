@@ -86,10 +86,12 @@ EOF
 
 # 2. Host syncs: the same training under torch.cuda.set_sync_debug_mode("warn"), which warns on
 # every synchronising CUDA call. The wrapper below turns each warning into one line on rank 0's
-# stderr naming the innermost ddptrain source line on the stack (and the library line that
-# synced). Lines that fire about SYNC_STEPS times sync in every step; about SYNC_STEPS /
-# LOG_EVERY times, on log steps. torch.distributed's own waits are not covered (the documented
-# limit of set_sync_debug_mode).
+# stderr naming the optimizer steps taken so far (a global optimizer step hook counts them), the
+# innermost ddptrain source line on the stack and the library line that synced. A line is then
+# classed by the steps it fires in, not by its count (a checkpoint save syncs hundreds of times,
+# once): every step, log steps (multiples of LOG_EVERY) or once (start-up, the first step, the last
+# step's saves). torch.distributed's own waits are not covered (the documented limit of
+# set_sync_debug_mode).
 if [[ "$SYNC_STEPS" -gt 0 ]]; then
     cat > "$WORK/ddptrain_sync_debug.py" <<'EOF'
 import runpy
@@ -98,9 +100,18 @@ import traceback
 import warnings
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 MESSAGE = "synchronizing CUDA operation"
 show = warnings.showwarning
+steps = [0]  # optimizer steps taken so far: a sync inside step N's work is printed with N
+
+
+def count_step(optimizer, args, kwargs):
+    steps[0] += 1
+
+
+register_optimizer_step_post_hook(count_step)
 
 
 def show_sync(message, category, filename, lineno, file=None, line=None):
@@ -108,7 +119,7 @@ def show_sync(message, category, filename, lineno, file=None, line=None):
         return show(message, category, filename, lineno, file, line)
     ours = [frame for frame in traceback.extract_stack()[:-1] if "/ddptrain/" in frame.filename]
     where = f"{ours[-1].filename}:{ours[-1].lineno}" if ours else "(no-ddptrain-frame)"
-    print(f"HOST-SYNC {where} via {filename}:{lineno}", file=sys.stderr)
+    print(f"HOST-SYNC {steps[0]} {where} via {filename}:{lineno}", file=sys.stderr)
 
 
 warnings.filterwarnings("always", message=f".*{MESSAGE}")  # every call, not once per source line
@@ -127,26 +138,40 @@ import collections
 import sys
 
 path, steps, log_every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-where, via = collections.Counter(), {}
+where, at, via = collections.Counter(), collections.defaultdict(set), {}
 for line in open(path, errors="replace"):
     if line.startswith("HOST-SYNC "):
-        _, location, _, inner = line.split(maxsplit=3)
+        _, step, location, _, inner = line.split(maxsplit=4)
         where[location] += 1
+        at[location].add(int(step))  # step N's work runs after N optimizer steps: N = 0 is the first step
         via.setdefault(location, inner.strip())
+# The steady steps: neither the first (set-up, DDP's bucket rebuild, optimizer state) nor the last (its saves).
+steady = set(range(1, steps - 1))
+logged = {s for s in steady if (s + 1) % log_every == 0}
+
+
+def kind(location):
+    fired = at[location] & steady
+    if fired >= steady - logged and fired - logged:
+        return "every step"
+    return "log steps" if fired and fired <= logged else ("some steps" if fired else "once")
+
+
 print(f"\nhost syncs on rank 0 over {steps} steps (log every {log_every}): {sum(where.values())} in all")
-for location, count in where.most_common(20):
-    kind = "every step" if count >= steps else ("log steps" if count >= steps // log_every else "once/setup")
-    print(f"{count:>7}  {kind:10}  {location}  (via {via[location]})")
-per_step = sum(count for count in where.values() if count >= steps)
-print(f"syncs at lines that fire in every step: {per_step} ({per_step / steps:.1f} per step)")
+for location, count in sorted(where.items(), key=lambda item: (kind(item[0]) != "every step", -item[1]))[:20]:
+    print(f"{count:>7}  {kind(location):10}  {location}  (via {via[location]})")
+per_step = [location for location in where if kind(location) == "every step"]
+print(f"lines that sync in every step: {len(per_step)}" + (f" ({', '.join(per_step)})" if per_step else ""))
 EOF
 fi
 
 # 3. Packed attention per backend (benchmarks/bench_attention.py): fwd+bwd of gather, varlen, flex
 # and the dense mask beside plain causal SDPA of the same shape, bf16, GPT-2-small's heads, on one
-# GPU, short documents and one document per row.
+# GPU: short documents, one document per row, and fresh microbatches of the corpus' packed
+# paragraphs (what a backend does per new layout counts there).
 if [[ -n "$ATTENTION_SEQ_LENS" ]]; then
     echo
-    python -m benchmarks.bench_attention --seq-lens "$ATTENTION_SEQ_LENS" --rows 8 --heads 12 --head-dim 64
+    python -m benchmarks.bench_attention --seq-lens "$ATTENTION_SEQ_LENS" --mixes short,long,corpus --rows 8 \
+        --heads 12 --head-dim 64
 fi
 echo "gpu_check: done; run dirs under $WORK"

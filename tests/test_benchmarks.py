@@ -150,6 +150,11 @@ def test_attention_benchmark_prints_every_backend_beside_causal_sdpa():
     assert len(rows) == 8, "4 rows of times, 4 of memory"
     timed = rows[0]
     assert timed[-2:] == ["n/a", "n/a"] and timed[-3].endswith("x") and timed[-5].endswith("x"), out
+    # corpus: fresh microbatches of packed stdlib paragraphs, several documents a row on average
+    out = _run("benchmarks.bench_attention", "--seq-lens", "128", "--mixes", "corpus", "--rows", "2", "--heads", "2",
+               "--head-dim", "8", "--rounds", "1", "--repeats", "1", "--no-memory")
+    corpus = [line.split() for line in out.splitlines() if line.split()[:2] == ["128", "corpus"]]
+    assert len(corpus) == 1 and float(corpus[0][2]) > 1 and corpus[0][-3].endswith("x"), out
 
 
 def test_packed_memory_benchmark_prints_the_dense_mask_beside_the_default_backend():
