@@ -203,7 +203,7 @@ def test_every_backend_equals_the_dense_mask_on_cuda(backend, dtype, tolerance, 
 
 
 def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-    """torch 2.9-2.10's varlen_attn signature (is_causal; no scale, window_size or enable_gqa), computed
+    """torch 2.9's varlen_attn signature (is_causal; no scale, window_size or enable_gqa), computed
     document by document with causal SDPA at its default 1/sqrt(d) scale: the older API on any device."""
     assert is_causal and key.size(1) == query.size(1) and return_aux is None
     assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
@@ -216,7 +216,7 @@ def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, i
 
 @pytest.mark.parametrize("scale", [None, 0.3], ids=["default_scale", "scale"])
 def test_varlen_on_an_older_torch_expands_grouped_heads_and_folds_the_scale_into_q(monkeypatch, scale):
-    """torch 2.9-2.10's varlen_attn takes is_causal and nothing else: grouped key/value heads are
+    """torch 2.9's varlen_attn takes is_causal and nothing else: grouped key/value heads are
     repeated for it and a custom scale is folded into q; the result equals the dense mask (fp64)."""
     import torch.nn.attention.varlen as varlen
 
@@ -236,7 +236,7 @@ def test_varlen_on_an_older_torch_expands_grouped_heads_and_folds_the_scale_into
 @needs_cuda
 @pytest.mark.parametrize("keywords", ["this_torch", "older_torch"])
 def test_varlen_equals_the_dense_mask_on_cuda_through_either_api(monkeypatch, keywords):
-    """The real kernel, called as this torch's API allows and as torch 2.9-2.10's did (grouped heads
+    """The real kernel, called as this torch's API allows and as older releases allow (grouped heads
     repeated, the scale folded into q, causal through is_causal where window_size is missing)."""
     if keywords == "older_torch":
         kept = {"return_aux"} | ({"is_causal"} & attention._varlen_keywords())

@@ -258,7 +258,7 @@ def _varlen(q, k, v, documents, scale, window):
     batch, heads, seq, dim = q.shape
     keywords = _varlen_keywords()
     if window is not None and "window_size" not in keywords:
-        _warn_once(f"torch {torch.__version__}'s varlen_attn has no window_size (torch 2.11 added it): sliding-window "
+        _warn_once(f"torch {torch.__version__}'s varlen_attn has no window_size (newer releases have it): sliding-window "
                    "layers use the gather backend")
         return _gather(q, k, v, documents, scale, 0.0, window)
     flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]  # (B * T, H, d)
@@ -286,7 +286,7 @@ def _varlen(q, k, v, documents, scale, window):
     if "window_size" in keywords:
         options["window_size"] = (-1 if window is None else window - 1, 0)  # flash counts the keys before the query
     else:
-        options["is_causal"] = True  # torch 2.9-2.10 (is_causal was replaced by window_size=(-1, 0))
+        options["is_causal"] = True  # torch 2.9's API (later replaced by window_size=(-1, 0))
     cu = documents.cu_seqlens
     out = varlen_attn(*flat, cu, cu, documents.max_length, documents.max_length, **options)
     return out.view(batch, seq, heads, dim)
@@ -296,8 +296,8 @@ _VARLEN_KEYWORDS: set[str] | None = None
 
 
 def _varlen_keywords() -> set[str]:
-    """The keyword arguments this torch's varlen_attn takes: its API grew between torch 2.9 and 2.13
-    (is_causal, then window_size, scale and enable_gqa)."""
+    """The keyword arguments this torch's varlen_attn takes: its API grew between releases (torch
+    2.9's: is_causal; 2.11's: scale and window_size; 2.13's: enable_gqa too)."""
     global _VARLEN_KEYWORDS
     if _VARLEN_KEYWORDS is None:
         import inspect
