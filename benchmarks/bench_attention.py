@@ -62,16 +62,11 @@ def segments_of(mix: str, rows: int, seq_len: int, seed: int) -> np.ndarray:
 
 def corpus_segments(rows: int, seq_len: int, count: int, seed: int) -> list[np.ndarray]:
     """`count` microbatches of `rows` packed rows of the stdlib paragraphs, each padded to seq_len."""
-    from omegaconf import OmegaConf
-
-    from ddptrain.config import DataConfig
-    from ddptrain.data import load_splits
+    from benchmarks.peer_common import stdlib_glob, training_examples
     from ddptrain.data.packing import PackedExamples
-    from ddptrain.data.sources import stdlib_root
 
-    config = OmegaConf.structured(DataConfig(name="text", paths=[str(stdlib_root() / "*.py")], split_by="paragraph",
-                                             tokenizer="byte"))
-    packed = PackedExamples.from_examples(load_splits(config, seq_len).train, seq_len)
+    examples = training_examples(argparse.Namespace(data_glob=stdlib_glob(), seq_len=seq_len))
+    packed = PackedExamples.from_examples(examples, seq_len)
     rng = np.random.default_rng(seed)
     layouts = []
     for _ in range(count):

@@ -11,6 +11,7 @@ flex's forward still runs (eagerly), which checks its document mask against the 
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import numpy as np
@@ -485,6 +486,14 @@ def test_auto_picks_by_device_and_precision_and_a_missing_backend_is_refused():
     with pytest.raises(attention.AttentionError, match=r"trainer.attention=varlen needs cuda and trainer.precision "
                                                        r"bf16 \| fp16 .*this run has cuda and fp32"):
         attention.select_backend("varlen", "cuda", "fp32")
+
+
+def test_a_torch_without_varlen_attn_gets_the_gather_from_auto_and_a_refusal_when_forced(monkeypatch):
+    monkeypatch.setattr(attention, "_VARLEN_KEYWORDS", set())  # as _varlen_keywords finds no varlen_attn
+    assert attention.select_backend("auto", "cuda", "bf16") == "gather"
+    with pytest.raises(attention.AttentionError, match=r"trainer.attention=varlen needs torch.nn.attention.varlen "
+                                                       rf"\(torch >= 2.9\); this torch is {re.escape(torch.__version__)}"):
+        attention.select_backend("varlen", "cuda", "bf16")
 
 
 def _validate(*overrides):

@@ -41,6 +41,7 @@ recompile for each new document layout.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -83,18 +84,10 @@ def select_backend(requested: str, device_type: str, precision: str) -> str:
 def _refusal(backend: str, device_type: str, precision: str) -> str | None:
     """attention_refusal's rule for the device and precision, then whether this torch has the kernel."""
     refusal = attention_refusal(backend, device_type, precision)
-    if refusal is None and backend == "varlen" and not _has_varlen():
+    if refusal is None and backend == "varlen" and not _varlen_keywords():
         refusal = (f"trainer.attention=varlen needs torch.nn.attention.varlen (torch >= 2.9); this torch is "
                    f"{torch.__version__}: use trainer.attention=auto, gather, flex or mask")
     return refusal
-
-
-def _has_varlen() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def without_dropout(backend: str, dropout: float, forced: bool) -> str:
@@ -258,8 +251,7 @@ def _varlen(q, k, v, documents, scale, window):
     batch, heads, seq, dim = q.shape
     keywords = _varlen_keywords()
     if window is not None and "window_size" not in keywords:
-        _warn_once(f"torch {torch.__version__}'s varlen_attn has no window_size (newer releases have it): sliding-window "
-                   "layers use the gather backend")
+        _warn_varlen_has_no_window()
         return _gather(q, k, v, documents, scale, 0.0, window)
     flat = [t.transpose(1, 2).reshape(batch * seq, t.size(1), dim) for t in (q, k, v)]  # (B * T, H, d)
     dtypes = {t.dtype for t in flat}
@@ -296,25 +288,26 @@ _VARLEN_KEYWORDS: set[str] | None = None
 
 
 def _varlen_keywords() -> set[str]:
-    """The keyword arguments this torch's varlen_attn takes: its API grew between releases (torch
-    2.9's: is_causal; 2.11's: scale and window_size; 2.13's: enable_gqa too)."""
+    """The keyword arguments this torch's varlen_attn takes (none: this torch has no varlen_attn).
+    Its API grew between releases (torch 2.9's: is_causal; 2.11's: scale and window_size; 2.13's:
+    enable_gqa too)."""
     global _VARLEN_KEYWORDS
     if _VARLEN_KEYWORDS is None:
         import inspect
 
-        from torch.nn.attention.varlen import varlen_attn
-
-        _VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters)
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _VARLEN_KEYWORDS = set()
+        else:
+            _VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters)
     return _VARLEN_KEYWORDS
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        log.warning(message)
+@functools.cache
+def _warn_varlen_has_no_window() -> None:
+    log.warning("torch %s's varlen_attn has no window_size (newer releases have it): sliding-window layers use "
+                "the gather backend", torch.__version__)
 
 
 _compiled_flex = None
