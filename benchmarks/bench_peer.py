@@ -35,6 +35,10 @@ Contenders (each a fresh `torchrun --nproc_per_node=2` per round; default: all b
   train_sampling_strategy random | group_by_length | batch_rebalance (older transformers:
   group_by_length=True). Its figure: the valid targets of the steps after the warm-up window (every
   rank's, counted in training_step) divided by rank 0's wall time between those steps' ends.
+- any of them with `+compile` (`ddptrain-pack+compile`, `hf-group+compile`, ...): the same run under
+  torch.compile, `trainer.compile=true` for ddptrain and `torch_compile=True` for the Trainer
+  (Inductor, default options on both sides). Compiling happens in the warm-up window, and whatever
+  recompiles later (a new shape) counts in the timed steps, as it does in a run.
 
 The timed steps (6..30 by default) are one full cycle of group_by_length's megabatches (50 x the
 per-rank step batch, sorted longest first, so 25 steps on 2 ranks): timing only its first steps
@@ -71,12 +75,13 @@ from benchmarks.peer_common import BETAS, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, dat
 CONTENDERS = ("ddptrain", "ddptrain-pack", "hf", "hf-group", "hf-rebalance")
 DEFAULT_CONTENDERS = "ddptrain-pack,ddptrain,hf,hf-group"
 HF_SAMPLING = {"hf": "random", "hf-group": "group_by_length", "hf-rebalance": "batch_rebalance"}
+COMPILED = "+compile"  # a contender's suffix: trainer.compile=true, or the Trainer's torch_compile=True
 
 
 # -- ddptrain through its CLI -----------------------------------------------------------------
 
 
-def run_ddptrain(args, model_dir: Path, run_dir: Path, pack: bool) -> float:
+def run_ddptrain(args, model_dir: Path, run_dir: Path, pack: bool, compiled: bool) -> float:
     global_size = args.pack_rows if pack else args.global_batch
     cmd = [*torchrun(args), "-m", "ddptrain", "model=hf", f"model.path={model_dir}", *data_overrides(args),
            f"batch.seq_len={args.seq_len}", f"batch.global_size={global_size}", f"batch.pack={str(pack).lower()}",
@@ -84,7 +89,8 @@ def run_ddptrain(args, model_dir: Path, run_dir: Path, pack: bool) -> float:
            f"trainer.max_steps={args.steps}", f"trainer.log_every={args.log_every}", "trainer.eval_examples=1",
            f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.weight_decay={WEIGHT_DECAY}",
            "optim.schedule=constant", "optim.warmup_steps=0", f"trainer.grad_clip={GRAD_CLIP}",
-           "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines"]
+           "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines",
+           f"trainer.compile={str(compiled).lower()}"]
     execute(cmd, args)
     return windowed_rates(run_dir, args.log_every)
 
@@ -155,13 +161,19 @@ def hf_worker(args) -> None:
         max_grad_norm=GRAD_CLIP, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
         average_tokens_across_devices=True, logging_steps=args.steps, save_strategy="no", eval_strategy="no",
         report_to=[], disable_tqdm=True, use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0,
-        remove_unused_columns=False, seed=SEED, ddp_find_unused_parameters=False, **sampling)
+        remove_unused_columns=False, seed=SEED, ddp_find_unused_parameters=False, torch_compile=args.compile,
+        **sampling)
     torch.manual_seed(SEED)
     config = transformers.AutoConfig.from_pretrained(args.model_dir, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     trainer = CountingTrainer(model=model, args=targs, train_dataset=Examples(), data_collator=pad_to_longest,
                               callbacks=[Clock()])
     trainer.train()
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        if not counters["stats"]["unique_graphs"]:
+            raise SystemExit("--compile: the Trainer's torch_compile=True compiled no graph")
     timed = range(args.log_every + 1, args.steps + 1)
     counts = torch.tensor([sum(step_tokens.get(step, 0) for step in timed),
                            sum(step_positions.get(step, 0) for step in timed)], dtype=torch.int64)
@@ -179,9 +191,9 @@ def hf_worker(args) -> None:
         dist.destroy_process_group()
 
 
-def run_hf(args, model_dir: Path, out_dir: Path, contender: str) -> tuple[float, float]:
+def run_hf(args, model_dir: Path, out_dir: Path, contender: str, compiled: bool) -> tuple[float, float]:
     cmd = [*torchrun(args), "-m", "benchmarks.bench_peer", "--hf-worker", contender, "--model-dir", str(model_dir),
-           "--out", str(out_dir), *shared_flags(args)]
+           "--out", str(out_dir), *shared_flags(args), *(["--compile"] if compiled else [])]
     execute(cmd, args)
     result = json.loads((out_dir / "result.json").read_text())
     return result["tokens"] / result["seconds"], result["tokens"] / result["positions"]
@@ -199,10 +211,11 @@ def shared_flags(args) -> list[str]:
 def run_contender(name: str, args, model_dir: Path, work: Path, round_index: int) -> tuple[float, float]:
     """(valid targets per second, padding efficiency: valid targets / positions computed) of one run."""
     out = work / f"{name}-{round_index}"
-    if name.startswith("ddptrain"):
-        return run_ddptrain(args, model_dir, out, pack=name == "ddptrain-pack")
+    base, compiled = name.removesuffix(COMPILED), name.endswith(COMPILED)
+    if base.startswith("ddptrain"):
+        return run_ddptrain(args, model_dir, out, pack=base == "ddptrain-pack", compiled=compiled)
     out.mkdir(parents=True)
-    return run_hf(args, model_dir, out, name)
+    return run_hf(args, model_dir, out, base, compiled)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="text: ragged paragraphs against transformers.Trainer (the flags below); sft: chats "
                              "against TRL's SFTTrainer (python -m benchmarks.bench_peer --mode sft --help); step: "
                              "one rank's step per layout, interleaved in one process (--mode step --help)")
-    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"comma-separated, of {', '.join(CONTENDERS)}")
+    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"comma-separated, of {', '.join(CONTENDERS)}, each also with {COMPILED} (torch.compile: "
+                             "trainer.compile=true, the Trainer's torch_compile=True)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--log-every", type=int, default=5, help="ddptrain's window; the first one is warm-up")
@@ -244,12 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-worker", choices=tuple(HF_SAMPLING), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # the worker's torch_compile
     args = parser.parse_args(argv)
     args.data_glob = args.data_glob or stdlib_glob()
     if args.hf_worker:
         return hf_worker(args)
     contenders = args.contenders.split(",")
-    unknown = [name for name in contenders if name not in CONTENDERS]
+    unknown = [name for name in contenders if name.removesuffix(COMPILED) not in CONTENDERS]
     if unknown or not any(c.startswith("ddptrain") for c in contenders):
         parser.error(f"--contenders: {unknown or contenders} (of {', '.join(CONTENDERS)}, at least one ddptrain)")
     figures: dict[str, list[float]] = {name: [] for name in contenders}
@@ -286,9 +301,10 @@ def report(contenders: list[str], figures: dict[str, list[float]], efficiency: d
     efficiencies (valid targets / positions computed). A layout that computes the same positions per
     token as its peer can only beat it by being faster per position.
     """
-    print(f"{'contender':14} {'median tok/s':>13} {'padding eff.':>13}   per round")
+    width = max(14, *map(len, contenders))
+    print(f"{'contender':{width}} {'median tok/s':>13} {'padding eff.':>13}   per round")
     for name in contenders:
-        print(f"{name:14} {statistics.median(figures[name]):13,.0f} {statistics.median(efficiency[name]):13.3f}   "
+        print(f"{name:{width}} {statistics.median(figures[name]):13,.0f} {statistics.median(efficiency[name]):13.3f}   "
               + " ".join(f"{value:,.0f}" for value in figures[name]))
     for ours in (c for c in contenders if c.startswith("ddptrain")):
         for peer in (c for c in contenders if c.startswith("hf")):

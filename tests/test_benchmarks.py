@@ -14,9 +14,10 @@ from tests.helpers import REPO, import_deepspeed, import_optional
 pytestmark = pytest.mark.slow
 
 
-def _run(module: str, *args: str) -> str:
+def _run(module: str, *args: str, env: dict[str, str] | None = None) -> str:
     result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                                              **(env or {})})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -76,6 +77,21 @@ def test_peer_benchmark_compares_packed_rows_with_the_trainers_group_by_length()
     line = next(line for line in lines if line.startswith("ddptrain-pack / hf-group: median ratio "))
     assert float(line.split()[5]) == pytest.approx(rate["ddptrain-pack"] / rate["hf-group"], abs=0.006), out
     assert float(line.split()[-1]) == pytest.approx(efficiency["ddptrain-pack"] / efficiency["hf-group"], abs=0.006)
+
+
+def test_peer_benchmark_compiles_the_contenders_named_with_plus_compile(tmp_path):
+    """`+compile` is trainer.compile=true for ddptrain and torch_compile=True for the Trainer (whose
+    worker fails if that compiled nothing); both write Inductor's cache, here a fresh directory."""
+    import_optional("transformers")
+    cache = tmp_path / "inductor"
+    out = _run("benchmarks.bench_peer", "--contenders", "ddptrain-pack+compile,hf-group+compile", "--rounds", "1",
+               "--steps", "6", "--log-every", "2", "--seq-len", "128", "--width", "32", "--layers", "1",
+               env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    lines = out.splitlines()
+    rows = [line.split()[0] for line in lines[lines.index("") + 2:] if "/" not in line]
+    assert rows == ["ddptrain-pack+compile", "hf-group+compile"], out
+    assert any(line.startswith("ddptrain-pack+compile / hf-group+compile: median ratio ") for line in lines), out
+    assert any(path.is_file() for path in cache.rglob("*")), "nothing compiled into TORCHINDUCTOR_CACHE_DIR"
 
 
 def test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl():

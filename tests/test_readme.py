@@ -85,6 +85,12 @@ COMMANDS = {
         "not run: 12 two-rank training runs (half an hour); tests/test_benchmarks.py runs its --mode sft and step",
     "python -m benchmarks.bench_peer --seq-len 256":
         "not run: 12 two-rank training runs (ten minutes); tests/test_benchmarks.py runs its --mode sft and step",
+    "python -m benchmarks.bench_peer --seq-len 1024 --contenders ddptrain-pack,ddptrain-pack+compile,hf-group,"
+    "hf-group+compile,hf":
+        "tests/test_benchmarks.py::test_peer_benchmark_compiles_the_contenders_named_with_plus_compile (tiny sizes)",
+    "python -m benchmarks.bench_peer --seq-len 256 --contenders ddptrain-pack,ddptrain-pack+compile,hf-group,"
+    "hf-group+compile,hf":
+        "tests/test_benchmarks.py::test_peer_benchmark_compiles_the_contenders_named_with_plus_compile (tiny sizes)",
     "python -m benchmarks.bench_peer --mode step --seq-len 1024":
         "tests/test_benchmarks.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
     "python -m benchmarks.bench_peer --mode step --seq-len 256":
