@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     contenders = args.contenders.split(",")
     unknown = [name for name in contenders if name.removesuffix(COMPILED) not in CONTENDERS]
     if unknown or not any(c.startswith("ddptrain") for c in contenders):
-        parser.error(f"--contenders: {unknown or contenders} (of {', '.join(CONTENDERS)}, at least one ddptrain)")
+        parser.error(f"--contenders: {unknown or contenders} (of {', '.join(CONTENDERS)}, each also with {COMPILED}; "
+                     "at least one ddptrain)")
     figures: dict[str, list[float]] = {name: [] for name in contenders}
     efficiency: dict[str, list[float]] = {name: [] for name in contenders}
     with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
