@@ -292,10 +292,17 @@ def gpt_outputs(model, batch, targets):
 
 
 def assert_all_close(ours, reference, tolerance, what):
+    """Every tensor within `tolerance` of its reference, relative to the reference's largest entry;
+    a failure names every tensor that differs (logits or which gradient, by shape), not only the
+    first: one run on a GPU tells where a kernel goes wrong."""
+    assert len(ours) == len(reference), what
+    differing = []
     for index, (a, b) in enumerate(zip(ours, reference)):
         scale = b.abs().max().clamp_min(1e-30)
         worst = float((a.double() - b.double()).abs().max() / scale)
-        assert worst <= tolerance, f"{what}: tensor {index} ({'logits' if index == 0 else 'grad'}) differs by {worst:.3g}"
+        if not worst <= tolerance:  # NaN too
+            differing.append(f"tensor {index} ({'logits' if index == 0 else 'grad'} {tuple(b.shape)}) by {worst:.3g}")
+    assert not differing, f"{what}: {len(differing)} of {len(ours)} differ beyond {tolerance:g}: " + "; ".join(differing)
 
 
 def test_gpt_gather_equals_the_dense_mask_in_fp64_forward_and_gradients():
@@ -374,6 +381,28 @@ def test_llama_through_model_hf_gather_equals_the_dense_mask_in_fp64(tmp_path):
     with torch.no_grad():
         for kwargs in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": padding}):
             assert torch.equal(model(**kwargs).logits, sdpa(**kwargs).logits), kwargs.keys()
+
+
+@pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 4})],
+                         ids=["llama_gqa", "mistral_sliding_window"])
+def test_model_hf_flex_logits_equal_the_dense_mask_on_cpu(tmp_path, kind, extra):
+    """The CUDA test's models and microbatch (grouped-query heads of 16 dimensions, a window of 4,
+    a padded last row), forward only: the CPU runs flex attention eagerly and has no backward. So
+    the boundaries, the window and the grouped-query heads reach flex attention through
+    transformers' attention interface as they reach the mask, padding included."""
+    from ddptrain.models import hf
+
+    batch, _ = packed_microbatch(rows=4, seed=4)
+    assert (batch["segments"] < 0).any(), "a padded row"
+    logits = {}
+    for backend in ("mask", "flex"):
+        model = hf_model(tmp_path, kind, hidden_size=64, **extra).float()
+        assert model.config.head_dim == 16 and model.config.num_key_value_heads < model.config.num_attention_heads
+        hf.use_packed_attention(model, backend)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex attention's "not compiled" warning
+            logits[backend] = model(**batch).logits
+    assert_all_close([logits["flex"]], [logits["mask"]], 1e-5, f"{kind} flex on cpu")
 
 
 @needs_cuda
