@@ -394,10 +394,10 @@ def test_model_hf_flex_logits_equal_the_dense_mask_on_cpu(tmp_path, kind, extra)
 
     batch, _ = packed_microbatch(rows=4, seed=4)
     assert (batch["segments"] < 0).any(), "a padded row"
+    model = hf_model(tmp_path, kind, hidden_size=64, **extra).float()
+    assert model.config.head_dim == 16 and model.config.num_key_value_heads < model.config.num_attention_heads
     logits = {}
     for backend in ("mask", "flex"):
-        model = hf_model(tmp_path, kind, hidden_size=64, **extra).float()
-        assert model.config.head_dim == 16 and model.config.num_key_value_heads < model.config.num_attention_heads
         hf.use_packed_attention(model, backend)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # flex attention's "not compiled" warning
