@@ -37,6 +37,7 @@ from ddptrain.models import attention
 from ddptrain.models import hf  # imports no transformers by itself: only its functions do
 from ddptrain.models import lora  # nor peft
 from ddptrain.models.gpt import GPT, GPTConfig
+from ddptrain.models.kernel_check import GENERIC_LAYOUT, HeadLayout
 from ddptrain.models.spec import (ModelError, ModelSpec, accepts_packed_rows, check_packed_isolation, class_path,
                                   tied_parameters)
 
@@ -85,6 +86,11 @@ class ModelAdapter:
             return "the model's own (its forward takes positions= and segments=)"
         model.register_forward_pre_hook(_documents_through(backend), with_kwargs=True)
         return backend
+
+    def head_layout(self, model: nn.Module) -> HeadLayout:
+        """The heads its attention layers call the packed-attention kernel with, for the start-up
+        check (ddptrain.models.kernel_check); a `_target_` model's are not known: a generic layout."""
+        return GENERIC_LAYOUT
 
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         """Checkpoint every transformer block of `model` (see the module docstring)."""
@@ -154,6 +160,9 @@ class GPTAdapter(ModelAdapter):
         model.attention_backend = backend  # every backend runs in GPT's attention
         return backend
 
+    def head_layout(self, model: nn.Module) -> HeadLayout:
+        return HeadLayout(model.cfg.n_head, model.cfg.n_head, model.cfg.n_embd // model.cfg.n_head)
+
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         model.activation_checkpointing = True  # GPT's own per-block flag
 
@@ -213,6 +222,9 @@ class HFAdapter(ModelAdapter):
             attention.warn_dense_fallback(f"{type(model).__name__}: {problem}")
         hf.use_packed_attention(model, "mask")
         return "mask"
+
+    def head_layout(self, model: nn.Module) -> HeadLayout:
+        return hf.head_layout(model)
 
     def check_model(self, model: nn.Module, model_cfg: Mapping, seq_len: int, pack: bool) -> None:
         if pack:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ddptrain.data.boundaries import DocumentBoundaries
 from ddptrain.models import attention
+from ddptrain.models.kernel_check import HeadLayout
 from ddptrain.models.spec import ModelError
 
 PACKED_ATTENTION = "ddptrain_packed"
@@ -226,6 +227,25 @@ def _sliding_window(model: nn.Module) -> int | None:
     if window is None or (layer_types is not None and set(layer_types) != {"sliding_attention"}):
         return None
     return window
+
+
+def head_layout(model: nn.Module) -> HeadLayout:
+    """The heads of its attention layers (query, key/value, dimensions) and the windows they slide
+    over: one window where every layer slides (Mistral), none and the window where some do (Qwen2's
+    layer_types), none where none does."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if window is None:
+        windows = (None,)
+    elif layer_types is None or set(layer_types) == {"sliding_attention"}:
+        windows = (window,)
+    else:
+        windows = (None, window) if "sliding_attention" in layer_types else (None,)
+    return HeadLayout(heads, kv_heads, head_dim, windows)
 
 
 def packing_problem(model: nn.Module) -> str | None:

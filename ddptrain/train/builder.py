@@ -27,6 +27,7 @@ from ddptrain.models.adapters import ModelAdapter, adapter_for
 from ddptrain.models import attention
 from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract
 from ddptrain.models.compiling import compile_model
+from ddptrain.models.kernel_check import kernel_problem
 from ddptrain.strategies import check_strategy_config
 from ddptrain.train.optim import build_optimizer, build_scheduler
 
@@ -112,13 +113,28 @@ def build_model(cfg, vocab_size: int, device: torch.device | None = None, precis
 
 
 def use_packed_attention(cfg, adapter: ModelAdapter, model: nn.Module, device: torch.device, precision: str) -> str:
-    """trainer.attention for packed rows, resolved for this device and precision, set on the model
-    and named at start-up (ddptrain/models/attention.py)."""
+    """trainer.attention for packed rows, resolved for this device and precision, checked against
+    the dense mask on this device (ddptrain/models/kernel_check.py), set on the model and named at
+    start-up (ddptrain/models/attention.py). Collective: a forced backend that fails the check on
+    any rank is refused on every rank; one that `auto` chose gives way to the gather (then the mask)."""
     requested = cfg.trainer.attention
+    forced = requested != "auto"
     backend = attention.select_backend(requested, device.type, precision)  # a ModelError where it is missing
-    used = adapter.use_attention(model, backend, forced=requested != "auto")
+    used = adapter.use_attention(model, backend, forced=forced)
+    layout, error = adapter.head_layout(model), None
+    problem = kernel_problem(used, layout, device, precision, cfg.batch.seq_len)
+    while problem is not None and not forced:
+        replacement = "gather" if used != "gather" else "mask"
+        log.warning("packed attention: %s fails its check on this device (%s): using %s", used, problem, replacement)
+        used = adapter.use_attention(model, replacement, forced=False)
+        problem = kernel_problem(used, layout, device, precision, cfg.batch.seq_len)
+    if problem is not None:
+        error = attention.AttentionError(f"trainer.attention={used}: its kernel does not compute what the dense mask "
+                                         f"does here ({problem}); use trainer.attention=auto, gather or mask")
+    raise_on_every_rank(error, ModelError)
     chosen = f"trainer.attention={requested}" + (f" on {device.type}, {precision}" if requested == "auto" else "")
-    log.info("packed attention: %s [%s]", attention.describe(used), chosen)
+    log.info("packed attention: %s [%s; checked against the dense mask on %s]", attention.describe(used), chosen,
+             device.type)
     return used
 
 

@@ -1,0 +1,111 @@
+"""The start-up check of packed rows' attention kernel on the run's own device.
+
+Every backend is proven equal to the dense mask by the test suite, but the suite runs on CPU, and
+the kernels that matter most run on CUDA only: torch's FlashAttention varlen kernel, FlexAttention
+compiled by Inductor for the GPU at hand, SDPA's flash and memory-efficient kernels under the
+gather. One of them going wrong on some GPU, torch or head layout would change every update
+without a sign (seen once: flex through model=hf on an H200 with torch 2.11 differed from the
+mask). So before the first step the chosen backend runs once on this device, in the run's
+precision, with the model's heads (`HeadLayout`), on two packed rows of ragged documents (some
+longer than a flex block of 128, some of one token, padding at the end); its output and the
+gradients of q, k and v are compared with the dense mask computed in fp64 from the same inputs.
+A backend beyond the bound is refused when forced and replaced when `auto` chose it (see
+ddptrain/train/builder.py `use_packed_attention`).
+
+The bounds are loose enough for the precision's rounding (fp32 1e-4, bf16/fp16 5e-2, relative to
+the reference's largest entry) and far below what a wrong mask or a wrong kernel gives (a token
+that sees one key too many or too few moves its output by a large fraction of its scale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.models import attention
+
+CHECKED_BACKENDS = ("gather", "varlen", "flex")
+PRECISION_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BOUNDS = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
+"""Largest difference from the fp64 reference, relative to its largest entry, per trainer.precision."""
+CHECK_WIDTH = 320
+"""Tokens per row of the check (fewer when batch.seq_len is shorter): 2.5 flex blocks of 128."""
+ROW_LENGTHS = ((3, 1, 40, 150, 17, 64, 9, 30, 2, 11), (60, 5, 90, 2, 33, 1, 140))
+"""Document lengths of the check's two rows, cut at the row's width; the second row ends in padding."""
+PADDING = 7
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """The attention heads a model's layers call the kernel with."""
+
+    heads: int
+    kv_heads: int
+    """Fewer than `heads`: grouped-query attention."""
+    head_dim: int
+    windows: tuple[int | None, ...] = (None,)
+    """The sliding windows its layers use; None: full causal attention."""
+
+    def __str__(self) -> str:
+        return f"{self.heads} heads ({self.kv_heads} key/value) of {self.head_dim} dimensions"
+
+
+GENERIC_LAYOUT = HeadLayout(heads=4, kv_heads=4, head_dim=64)
+"""For a `_target_` model, whose heads ddptrain does not know."""
+
+
+def check_segments(width: int) -> np.ndarray:
+    """(2, width) segment ids: ROW_LENGTHS' documents, the second row's last PADDING tokens padding (-1)."""
+    segments = np.full((2, width), -1, dtype=np.int64)
+    for row, lengths in enumerate(ROW_LENGTHS):
+        end = width - PADDING * row if width > 2 * PADDING else width
+        at = 0
+        for segment, length in enumerate(lengths * (1 + width // sum(lengths))):
+            if at >= end:
+                break
+            segments[row, at:min(at + length, end)] = segment
+            at += length
+    return segments
+
+
+def kernel_problem(backend: str, layout: HeadLayout, device: torch.device, precision: str,
+                   seq_len: int) -> str | None:
+    """How `backend` differs from the dense mask on `device` in `precision`, beyond the bound; None
+    if it does not (or if it is not a kernel of ours: mask is the reference, a `_target_` model may
+    keep its own attention)."""
+    if backend not in CHECKED_BACKENDS:
+        return None
+    width = min(seq_len, CHECK_WIDTH)
+    documents = DocumentBoundaries.from_segments(check_segments(width)).to(device)
+    generator = torch.Generator().manual_seed(0)
+    heads = (layout.heads, layout.kv_heads, layout.kv_heads)
+    inputs = [torch.randn(2, h, width, layout.head_dim, generator=generator, dtype=torch.float64) for h in heads]
+    cotangent = torch.randn(2, width, layout.heads, layout.head_dim, generator=generator, dtype=torch.float64)
+    half = precision in ("bf16", "fp16")
+    dtype = torch.float32 if half else PRECISION_DTYPES[precision]  # half: fp32 inputs under autocast, as in a step
+    for window in layout.windows:
+        theirs = _output_and_grads(backend, [t.to(device, dtype) for t in inputs], cotangent.to(device, dtype),
+                                   documents, window, PRECISION_DTYPES[precision] if half else None)
+        reference = _output_and_grads("mask", [t.to(device) for t in inputs], cotangent.to(device), documents,
+                                      window, None)
+        for name, ours, exact in zip(("output", "grad q", "grad k", "grad v"), theirs, reference):
+            worst = float((ours.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30))
+            if not worst <= BOUNDS[precision]:  # NaN too
+                return (f"{name} differs from the dense mask by {worst:.3g}, relative, beyond {BOUNDS[precision]:g} "
+                        f"for {precision}, on {device.type} with {layout}"
+                        f"{'' if window is None else f' and a window of {window}'}")
+    return None
+
+
+def _output_and_grads(backend, tensors, cotangent, documents, window, autocast_dtype):
+    leaves = [t.requires_grad_() for t in tensors]
+    autocast = (torch.autocast(leaves[0].device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    with torch.enable_grad(), autocast:
+        out = attention.attend(*leaves, documents.using(backend), window=window)
+    grads = torch.autograd.grad(out, leaves, cotangent.to(out.dtype))
+    return [out.detach(), *grads]
