@@ -496,6 +496,10 @@ def test_target_models_keep_positions_and_segments_or_take_the_boundaries():
     takes.blocks[0].attn.register_forward_pre_hook(lambda module, args: seen.append(args[1].backend))
     assert_all_close(gpt_outputs(takes, batch, targets), reference, 1e-9, "documents=")
     assert seen == ["gather"]
+    # Switched again (the start-up check's fallback does so): the new backend runs, through one hook.
+    assert CustomAdapter("x").use_attention(takes, "mask", forced=False) == "mask"
+    gpt_outputs(takes, batch, targets)
+    assert seen == ["gather", "mask"]
 
 
 # -- choosing a backend ------------------------------------------------------------------------------------

@@ -84,7 +84,9 @@ class ModelAdapter:
         if "documents" not in _forward_parameters(model):
             model.register_forward_pre_hook(_without_documents, with_kwargs=True)
             return "the model's own (its forward takes positions= and segments=)"
-        model.register_forward_pre_hook(_documents_through(backend), with_kwargs=True)
+        if not hasattr(model, "packed_attention"):  # one hook, whatever backend it is switched to later
+            model.register_forward_pre_hook(_documents_through, with_kwargs=True)
+        model.packed_attention = backend
         return backend
 
     def head_layout(self, model: nn.Module) -> HeadLayout:
@@ -367,14 +369,12 @@ def _without_documents(module: nn.Module, args: tuple, kwargs: dict):
     return args, {key: value for key, value in kwargs.items() if key != "documents"}
 
 
-def _documents_through(backend: str):
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        documents = kwargs.get("documents")
-        if documents is None or documents.backend is not None:
-            return None
-        return args, {**kwargs, "documents": documents.using(backend)}
-
-    return hook
+def _documents_through(module: nn.Module, args: tuple, kwargs: dict):
+    """The boundaries of a `_target_` model's packed rows, run through its `packed_attention` backend."""
+    documents = kwargs.get("documents")
+    if documents is None or documents.backend is not None:
+        return None
+    return args, {**kwargs, "documents": documents.using(module.packed_attention)}
 
 
 NAMED = {"gpt": GPTAdapter, "hf": HFAdapter}
