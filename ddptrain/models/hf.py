@@ -238,13 +238,12 @@ def head_layout(model: nn.Module) -> HeadLayout:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
-    if window is None:
-        windows = (None,)
-    elif layer_types is None or set(layer_types) == {"sliding_attention"}:
-        windows = (window,)
+    every_layer = _sliding_window(base)
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None) or ()
+    if every_layer is not None:
+        windows = (every_layer,)
     else:
-        windows = (None, window) if "sliding_attention" in layer_types else (None,)
+        windows = (None, window) if window is not None and "sliding_attention" in layer_types else (None,)
     return HeadLayout(heads, kv_heads, head_dim, windows)
 
 
