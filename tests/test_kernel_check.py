@@ -1,5 +1,8 @@
 """The start-up check of the packed-attention kernel on the run's device (ddptrain/models/kernel_check.py):
-the real kernels pass it; a kernel wrong in its forward, in one gradient or in its window fails it;
+the real kernels pass it; a kernel wrong in its forward, in one gradient or in its window fails it,
+and so does one that reads strided q, k, v wrongly, since the check hands them over laid out in
+memory as the model does (the GPT's and four transformers architectures' layouts are compared with
+their real calls);
 the trainer refuses a forced backend that fails, on every rank, and lets an `auto` one give way.
 
 The kernels that most need it (varlen, flex) run on CUDA only: their case is skipped here and says so.
@@ -7,6 +10,7 @@ The kernels that most need it (varlen, flex) run on CUDA only: their case is ski
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -15,20 +19,22 @@ import torch
 
 from ddptrain.config import compose_config
 from ddptrain.models import attention, kernel_check
-from ddptrain.models.kernel_check import HeadLayout, kernel_problem
+from ddptrain.models.kernel_check import HeadLayout, TokenMajor, kernel_problem, separate_projections
 from ddptrain.models.spec import ModelError
 from ddptrain.testing import run_distributed
 from ddptrain.train.builder import build_model
 from tests.helpers import import_optional
 
 CPU = torch.device("cpu")
-HF_TEST_LAYOUT = HeadLayout(4, 2, 16, (None, 4))  # tests/test_attention.py's Llama and Mistral through model=hf
+HF_TEST_LAYOUT = HeadLayout(4, 2, 16, (None, 4), scale=0.25)  # tests/test_attention.py's Llama, Mistral (model=hf)
+GPT_LAYOUT = HeadLayout(4, 4, 16, memory=tuple(TokenMajor(192, 16, part * 64) for part in range(3)))  # one projection
+NEOX_LAYOUT = HeadLayout(4, 4, 16, memory=(None, None, TokenMajor(192, 48, 32)))  # q, k contiguous; heads interleaved
 VOCAB = 64
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("layout", [HeadLayout(4, 4, 16), HF_TEST_LAYOUT, HeadLayout(32, 8, 128, (None, 64))],
-                         ids=["gpt", "gqa_window", "llama_8b_heads"])
+@pytest.mark.parametrize("layout", [GPT_LAYOUT, HF_TEST_LAYOUT, NEOX_LAYOUT, HeadLayout(32, 8, 128, (None, 64))],
+                         ids=["gpt", "gqa_window", "neox", "llama_8b_heads"])
 def test_the_gather_passes_on_the_cpu(layout, precision):
     assert kernel_problem("gather", layout, CPU, precision, seq_len=2048) is None
 
@@ -68,7 +74,7 @@ def wrong_backward_for_k(q, k, v, documents, scale, dropout, window, real=attent
 @pytest.mark.parametrize("wrong,expected", [
     (lambda q, k, v, documents, scale, dropout, window: attention.causal(q, k, v, scale),
      r"output differs from the dense mask by 0\.\d+, relative, beyond 0\.05 for bf16, on cpu with 4 heads \(2 "
-     r"key/value\) of 16 dimensions$"),
+     r"key/value\) of 16 dimensions \(q: 64 per token, k: 32 per token, v: 32 per token, scale 0\.25\)$"),
     (wrong_backward_for_k, r"grad k differs from the dense mask by 0\.\d+, relative, beyond 0\.0001 for fp32"),
     (lambda q, k, v, documents, scale, dropout, window, real=attention._gather: real(q, k, v, documents, scale,
                                                                                    dropout, None),
@@ -81,6 +87,101 @@ def test_a_kernel_wrong_in_its_forward_a_gradient_or_its_window_fails(monkeypatc
     assert problem is not None and re.search(expected, problem), problem
 
 
+def reads_views_as_if_contiguous(q, k, v, documents, scale, dropout, window, real=attention._gather):
+    """A kernel that ignores its inputs' strides (as pytorch#146377's compiled flex backward did for
+    some): right on contiguous tensors, wrong on the views that models pass."""
+    def as_if_contiguous(t):
+        return t.as_strided(t.shape, torch.empty(t.shape, device="meta").stride(), t.storage_offset())
+
+    return real(*(as_if_contiguous(t) for t in (q, k, v)), documents, scale, dropout, window)
+
+
+@pytest.mark.parametrize("layout", [GPT_LAYOUT, NEOX_LAYOUT, HF_TEST_LAYOUT], ids=["gpt", "neox", "llama"])
+def test_a_kernel_that_misreads_strided_views_fails_with_the_models_layout(monkeypatch, layout):
+    monkeypatch.setattr(attention, "_gather", reads_views_as_if_contiguous)
+    contiguous = dataclasses.replace(layout, memory=(None, None, None))
+    assert kernel_problem("gather", contiguous, CPU, "fp32", seq_len=1024) is None, "what the check saw before"
+    problem = kernel_problem("gather", layout, CPU, "fp32", seq_len=1024)
+    assert problem is not None and re.match(r"(output|grad [qkv]) differs from the dense mask by", problem), problem
+    assert f"v: {layout.qkv_memory()[2]}" in problem, problem
+
+
+def test_a_kernel_that_drops_the_models_scale_fails(monkeypatch):
+    monkeypatch.setattr(attention, "_gather", lambda q, k, v, documents, scale, dropout, window,
+                        real=attention._gather: real(q, k, v, documents, None, dropout, window))
+    assert kernel_problem("gather", HF_TEST_LAYOUT, CPU, "fp32", seq_len=1024) is None, "0.25 = 1/sqrt(16)"
+    problem = kernel_problem("gather", dataclasses.replace(HF_TEST_LAYOUT, scale=0.125), CPU, "fp32", seq_len=1024)
+    assert problem is not None and problem.startswith("output differs") and "scale 0.125" in problem, problem
+
+
+def _recording_attend(monkeypatch) -> list:
+    """The q, k, v and scale of every call of ddptrain's attention backends, as the model passes them."""
+    calls, real = [], attention._attend
+
+    def recording(q, k, v, documents, scale, dropout, window):
+        calls.append((q, k, v, scale))
+        return real(q, k, v, documents, scale, dropout, window)
+
+    monkeypatch.setattr(attention, "_attend", recording)
+    return calls
+
+
+def assert_laid_out_as_called(layout: HeadLayout, call) -> None:
+    """The check's q, k and v, made at the call's shape, have the strides and offsets (within a
+    token) of the model's; and the scale is the model's."""
+    for name, memory, real in zip("qkv", layout.qkv_memory(), call[:3]):
+        ours = torch.zeros(real.shape) if memory is None else memory.lay_out(torch.zeros(real.shape))
+        assert ours.stride() == real.stride(), (name, ours.stride(), real.stride())
+        if memory is not None:
+            assert ours.storage_offset() == real.storage_offset() % real.stride(2), name
+    assert layout.scale == call[3]
+
+
+def test_the_gpts_layout_is_how_its_attention_is_called(monkeypatch):
+    model, _, adapter = build_model(compose_config(["batch.pack=true", "batch.seq_len=64", "model.n_layer=1",
+                                                    "model.n_embd=48", "model.n_head=3"]), VOCAB)
+    calls = _recording_attend(monkeypatch)
+    segments = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    documents = attention.DocumentBoundaries.from_segments(segments.numpy()).using("gather")
+    model(torch.randint(0, VOCAB, (2, 16)), positions=segments * 0, segments=segments, documents=documents)
+    layout = adapter.head_layout(model)
+    assert layout.memory == tuple(TokenMajor(144, 16, part * 48) for part in range(3))
+    assert_laid_out_as_called(layout, calls[0])
+    assert layout.memory != separate_projections(3, 3, 16), "the default would not be the GPT's"
+
+
+def test_model_hf_layouts_are_how_each_architecture_calls_attention(tmp_path, monkeypatch):
+    """Llama (a projection each), GPT-2 (views of one), Phi-3 and GPT-NeoX (q and k contiguous, v a
+    view: one fused projection, heads interleaved in NeoX's): hf.head_layout's, recorded through
+    transformers' attention interface, equal what a packed forward passes to the backend."""
+    transformers = import_optional("transformers")
+    from ddptrain.models import hf
+
+    common = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    models = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=2, **common)),
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
+                 dict(n_embd=64, n_layer=1, n_head=4, n_positions=128, bos_token_id=None, eos_token_id=None)),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(num_key_value_heads=2, **common)),
+        "neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, common),
+    }
+    expected_v = {"llama": TokenMajor(32, 16), "gpt2": TokenMajor(192, 16, 128), "phi3": TokenMajor(128, 16, 96),
+                  "neox": TokenMajor(192, 48, 32)}
+    for name, (config_class, model_class, options) in models.items():
+        torch.manual_seed(0)
+        model_class(config_class(vocab_size=VOCAB, **options)).save_pretrained(tmp_path / name)
+        model = hf.load_causal_lm(str(tmp_path / name), "sdpa", VOCAB)
+        assert hf.head_layout(model).memory is None, "the dense mask: nothing of ours is called"
+        hf.use_packed_attention(model, "gather")
+        layout = hf.head_layout(model)
+        assert layout.memory[2] == expected_v[name], (name, layout)
+        calls = _recording_attend(monkeypatch)
+        assert hf.packing_problem(model) is None, name  # a packed forward, through the registered function again
+        assert_laid_out_as_called(layout, calls[0])
+        monkeypatch.undo()
+
+
 def gpt_config(attention_backend: str):
     return compose_config(["batch.pack=true", "batch.seq_len=64", "model.n_layer=1", "model.n_embd=32",
                            f"trainer.attention={attention_backend}"])
@@ -89,7 +190,8 @@ def gpt_config(attention_backend: str):
 def test_a_forced_backend_that_fails_is_refused_and_auto_gives_way(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_gather", wrong_backward_for_k)
     with pytest.raises(ModelError, match=r"trainer.attention=gather: its kernel does not compute what the dense mask "
-                                         r"does here \(grad k differs .* with 4 heads \(4 key/value\) of 8 dimensions\); "
+                                         r"does here \(grad k differs .* with 4 heads \(4 key/value\) of 8 dimensions "
+                                         r"\(q: 96 per token, k: 96 per token from 32, v: 96 per token from 64\)\); "
                                          r"use trainer.attention=auto, gather or mask"):
         build_model(gpt_config("gather"), VOCAB)
     with caplog.at_level(logging.WARNING):
@@ -128,7 +230,8 @@ def test_model_hf_heads_and_windows_are_the_models_and_a_failing_kernel_is_caugh
     monkeypatch.setattr(attention, "_gather", wrong_backward_for_k)
     overrides = ["model=hf", f"model.path={mistral}", "batch.pack=true", "batch.seq_len=64"]
     with pytest.raises(ModelError, match=r"trainer.attention=gather: .*grad k differs .* 4 heads \(2 key/value\) of "
-                                         r"16 dimensions and a window of 4\)"):
+                                         r"16 dimensions \(q: 64 per token, k: 32 per token, v: 32 per token, "
+                                         r"scale 0\.25\) and a window of 4\)"):
         build_model(compose_config([*overrides, "trainer.attention=gather"]), VOCAB)
     model, _, _ = build_model(compose_config([*overrides, "trainer.attention=auto"]), VOCAB)
     assert model.packed_attention == "mask"
@@ -159,9 +262,10 @@ def test_a_kernel_that_fails_on_one_rank_is_refused_on_every_rank():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: varlen and flex run on CUDA only")
 @pytest.mark.parametrize("backend,precision", [("gather", "fp32"), ("flex", "fp32"), ("gather", "bf16"),
                                                ("varlen", "bf16"), ("flex", "bf16")])
-@pytest.mark.parametrize("layout", [HeadLayout(4, 4, 16), HF_TEST_LAYOUT, HeadLayout(32, 8, 128, (None, 64))],
-                         ids=["gpt", "gqa_window", "llama_8b_heads"])
+@pytest.mark.parametrize("layout", [GPT_LAYOUT, HF_TEST_LAYOUT, NEOX_LAYOUT, HeadLayout(32, 8, 128, (None, 64))],
+                         ids=["gpt", "gqa_window", "neox", "llama_8b_heads"])
 def test_every_backend_passes_the_check_on_cuda(layout, backend, precision):
-    """The kernels themselves, with the heads of tests/test_attention.py's model=hf case (whose flex
-    case failed once on an H200): this passing while that fails puts the fault outside the kernel."""
+    """The kernels themselves, with the heads, scale and strided q, k, v of tests/test_attention.py's
+    model=hf case (whose flex case failed once on an H200): this passing while that fails puts the
+    fault outside the kernel."""
     assert kernel_problem(backend, layout, torch.device("cuda"), precision, seq_len=2048) is None

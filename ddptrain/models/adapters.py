@@ -37,7 +37,7 @@ from ddptrain.models import attention
 from ddptrain.models import hf  # imports no transformers by itself: only its functions do
 from ddptrain.models import lora  # nor peft
 from ddptrain.models.gpt import GPT, GPTConfig
-from ddptrain.models.kernel_check import GENERIC_LAYOUT, HeadLayout
+from ddptrain.models.kernel_check import GENERIC_LAYOUT, HeadLayout, TokenMajor
 from ddptrain.models.spec import (ModelError, ModelSpec, accepts_packed_rows, check_packed_isolation, class_path,
                                   tied_parameters)
 
@@ -163,7 +163,11 @@ class GPTAdapter(ModelAdapter):
         return backend
 
     def head_layout(self, model: nn.Module) -> HeadLayout:
-        return HeadLayout(model.cfg.n_head, model.cfg.n_head, model.cfg.n_embd // model.cfg.n_head)
+        cfg = model.cfg
+        dim = cfg.n_embd // cfg.n_head
+        # CausalSelfAttention splits one qkv projection: q, k, v are views of it, n_embd apart
+        fused = tuple(TokenMajor(3 * cfg.n_embd, dim, part * cfg.n_embd) for part in range(3))
+        return HeadLayout(cfg.n_head, cfg.n_head, dim, memory=fused)
 
     def enable_activation_checkpointing(self, model: nn.Module) -> None:
         model.activation_checkpointing = True  # GPT's own per-block flag

@@ -29,7 +29,7 @@ from torch import nn
 
 from ddptrain.data.boundaries import DocumentBoundaries
 from ddptrain.models import attention
-from ddptrain.models.kernel_check import HeadLayout
+from ddptrain.models.kernel_check import HeadLayout, TokenMajor
 from ddptrain.models.spec import ModelError
 
 PACKED_ATTENTION = "ddptrain_packed"
@@ -230,9 +230,12 @@ def _sliding_window(model: nn.Module) -> int | None:
 
 
 def head_layout(model: nn.Module) -> HeadLayout:
-    """The heads of its attention layers (query, key/value, dimensions) and the windows they slide
-    over: one window where every layer slides (Mistral), none and the window where some do (Qwen2's
-    layer_types), none where none does."""
+    """The heads of its attention layers (query, key/value, dimensions), the windows they slide
+    over (one where every layer slides: Mistral; none and the window where some do: Qwen2's
+    layer_types; none where none does), and how its q, k and v reach ddptrain's attention
+    function: their memory layout and softmax scale, as one small packed forward hands them over
+    (architectures differ: Llama's each a projection of its own, GPT-2's views of one, Phi-3's and
+    GPT-NeoX's q and k contiguous beside a v that is a view)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     heads = config.num_attention_heads
@@ -244,17 +247,35 @@ def head_layout(model: nn.Module) -> HeadLayout:
         windows = (every_layer,)
     else:
         windows = (None, window) if window is not None and "sliding_attention" in layer_types else (None,)
-    return HeadLayout(heads, kv_heads, head_dim, windows)
+    memory, scale = _how_attention_is_called(model)
+    return HeadLayout(heads, kv_heads, head_dim, windows, memory, scale)
 
 
-def packing_problem(model: nn.Module) -> str | None:
-    """Why a packed row does not compute each document exactly as if it were alone; None if it does.
+def _how_attention_is_called(model: nn.Module) -> tuple[tuple | None, float | None]:
+    """The memory layout (kernel_check.TokenMajor) of the q, k and v the first layer passes to
+    ddptrain's attention function, and its scaling, in one packed forward; (None, None) where packed
+    rows do not go through that function (the dense mask)."""
+    if getattr(model, "packed_attention", "mask") == "mask":
+        return None, None
+    transformers = _transformers()
+    calls = []
 
-    Architectures differ in whether they honour the boundaries (or a custom 4D mask) and position
-    ids; one small forward on CPU tells, instead of silently attending across documents. The
-    probe's boundaries run the gather backend (varlen and flex need CUDA; the route to the kernel
-    is the same)."""
-    lengths = (5, 7)
+    def recording(module, query, key, value, *args, **kwargs):
+        if not calls:
+            calls.append(((TokenMajor.of(query), TokenMajor.of(key), TokenMajor.of(value)), kwargs.get("scaling")))
+        return packed_attention_forward(module, query, key, value, *args, **kwargs)
+
+    transformers.AttentionInterface.register(PACKED_ATTENTION, recording)
+    try:
+        _packed_probe(model, lengths=(5, 7))
+    finally:
+        transformers.AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    return calls[0] if calls else (None, None)
+
+
+def _packed_probe(model: nn.Module, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed row of random documents of `lengths` through `model` (eval, no grad) with the gather
+    backend's boundaries: its logits and the row's token ids."""
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, sum(lengths)), generator=generator)
@@ -265,7 +286,24 @@ def packing_problem(model: nn.Module) -> str | None:
     model.eval()
     try:
         with torch.no_grad():
-            packed = model(idx=ids, positions=positions, segments=segments, documents=documents).logits
+            return model(idx=ids, positions=positions, segments=segments, documents=documents).logits, ids
+    finally:
+        model.train(was_training)
+
+
+def packing_problem(model: nn.Module) -> str | None:
+    """Why a packed row does not compute each document exactly as if it were alone; None if it does.
+
+    Architectures differ in whether they honour the boundaries (or a custom 4D mask) and position
+    ids; one small forward on CPU tells, instead of silently attending across documents. The
+    probe's boundaries run the gather backend (varlen and flex need CUDA; the route to the kernel
+    is the same)."""
+    lengths = (5, 7)
+    was_training = model.training
+    try:
+        packed, ids = _packed_probe(model, lengths)
+        model.eval()
+        with torch.no_grad():
             alone = torch.cat([model(ids[:, start:start + n]).logits
                                for start, n in zip((0, lengths[0]), lengths)], dim=1)
     except Exception as error:  # noqa: BLE001 - an attention that cannot take packed rows (Bloom's eager raises)

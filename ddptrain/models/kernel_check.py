@@ -6,9 +6,11 @@ compiled by Inductor for the GPU at hand, SDPA's flash and memory-efficient kern
 gather. One of them going wrong on some GPU, torch or head layout would change every update
 without a sign (seen once: flex through model=hf on an H200 with torch 2.11 differed from the
 mask). So before the first step the chosen backend runs once on this device, in the run's
-precision, with the model's heads (`HeadLayout`), on two packed rows of ragged documents (some
-longer than a flex block of 128, some of one token, padding at the end); its output and the
-gradients of q, k and v are compared with the dense mask computed in fp64 from the same inputs.
+precision, with the model's heads, softmax scale and the memory layout its q, k and v arrive in
+(`HeadLayout`: a kernel may read strided views wrongly and contiguous tensors right), on two
+packed rows of ragged documents (some longer than a flex block of 128, some of one token, padding
+at the end); its output and the gradients of q, k and v are compared with the dense mask computed
+in fp64 from the same inputs.
 A backend beyond the bound is refused when forced and replaced when `auto` chose it (see
 ddptrain/train/builder.py `use_packed_attention`).
 
@@ -40,6 +42,47 @@ PADDING = 7
 
 
 @dataclass(frozen=True)
+class TokenMajor:
+    """Where one of q, k, v (B, h, T, d) lies in memory as a model's projection leaves it: a view of
+    a token-major buffer of `token_width` elements per token, its heads `head_stride` apart from
+    `offset` on. A projection of its own viewed per head (Llama): h x d wide, heads d apart; one
+    fused projection split three ways (GPT-2, the GPT): wider, each of q, k, v at its own offset;
+    heads interleaved with their q, k and v (GPT-NeoX): heads 3d apart."""
+
+    token_width: int
+    head_stride: int
+    offset: int = 0
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TokenMajor | None":
+        """The layout of `tensor` (B, h, T, d); None where it is not such a view (contiguous, for one)."""
+        batch, heads, seq, dim = tensor.shape
+        batch_stride, head_stride, token_width, dim_stride = tensor.stride()
+        offset = tensor.storage_offset() % token_width if token_width else 0
+        if (dim_stride != 1 or (heads > 1 and head_stride < dim)
+                or offset + (heads - 1) * head_stride + dim > token_width
+                or (batch > 1 and batch_stride != seq * token_width)):
+            return None
+        return cls(token_width, head_stride, offset)
+
+    def lay_out(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s values (B, h, T, d) in this layout: a view of a new buffer."""
+        batch, _, seq, _ = tensor.shape
+        buffer = tensor.new_zeros(batch * seq * self.token_width)
+        view = buffer.as_strided(tensor.shape, (seq * self.token_width, self.head_stride, self.token_width, 1),
+                                 self.offset)
+        return view.copy_(tensor)
+
+    def __str__(self) -> str:
+        return f"{self.token_width} per token" + (f" from {self.offset}" if self.offset else "")
+
+
+def separate_projections(heads: int, kv_heads: int, head_dim: int) -> tuple[TokenMajor, TokenMajor, TokenMajor]:
+    """q, k and v each a (B, T, h x d) projection of its own, viewed per head and transposed (most models)."""
+    return (TokenMajor(heads * head_dim, head_dim), *[TokenMajor(kv_heads * head_dim, head_dim)] * 2)
+
+
+@dataclass(frozen=True)
 class HeadLayout:
     """The attention heads a model's layers call the kernel with."""
 
@@ -49,13 +92,23 @@ class HeadLayout:
     head_dim: int
     windows: tuple[int | None, ...] = (None,)
     """The sliding windows its layers use; None: full causal attention."""
+    memory: tuple[TokenMajor | None, TokenMajor | None, TokenMajor | None] | None = None
+    """How q, k and v lie in memory when they reach the kernel (None for one of them: contiguous);
+    None: as `separate_projections` lays them out."""
+    scale: float | None = None
+    """The softmax scale the model passes (None: the kernel's default, 1/sqrt(head_dim))."""
+
+    def qkv_memory(self) -> tuple[TokenMajor | None, TokenMajor | None, TokenMajor | None]:
+        return self.memory or separate_projections(self.heads, self.kv_heads, self.head_dim)
 
     def __str__(self) -> str:
-        return f"{self.heads} heads ({self.kv_heads} key/value) of {self.head_dim} dimensions"
+        memory = ", ".join(f"{name}: {'contiguous' if m is None else m}" for name, m in zip("qkv", self.qkv_memory()))
+        scale = "" if self.scale is None else f", scale {self.scale:g}"
+        return f"{self.heads} heads ({self.kv_heads} key/value) of {self.head_dim} dimensions ({memory}{scale})"
 
 
 GENERIC_LAYOUT = HeadLayout(heads=4, kv_heads=4, head_dim=64)
-"""For a `_target_` model, whose heads ddptrain does not know."""
+"""For a `_target_` model, whose heads ddptrain does not know (q, k, v as `separate_projections`)."""
 
 
 def check_segments(width: int) -> np.ndarray:
@@ -87,11 +140,13 @@ def kernel_problem(backend: str, layout: HeadLayout, device: torch.device, preci
     cotangent = torch.randn(2, width, layout.heads, layout.head_dim, generator=generator, dtype=torch.float64)
     half = precision in ("bf16", "fp16")
     dtype = torch.float32 if half else PRECISION_DTYPES[precision]  # half: fp32 inputs under autocast, as in a step
+    laid_out = [t.to(device, dtype) if memory is None else memory.lay_out(t.to(device, dtype))
+                for t, memory in zip(inputs, layout.qkv_memory())]
     for window in layout.windows:
-        theirs = _output_and_grads(backend, [t.to(device, dtype) for t in inputs], cotangent.to(device, dtype),
-                                   documents, window, PRECISION_DTYPES[precision] if half else None)
+        theirs = _output_and_grads(backend, laid_out, cotangent.to(device, dtype), documents, window, layout.scale,
+                                   PRECISION_DTYPES[precision] if half else None)
         reference = _output_and_grads("mask", [t.to(device) for t in inputs], cotangent.to(device), documents,
-                                      window, None)
+                                      window, layout.scale, None)
         for name, ours, exact in zip(("output", "grad q", "grad k", "grad v"), theirs, reference):
             worst = float((ours.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30))
             if not worst <= BOUNDS[precision]:  # NaN too
@@ -101,11 +156,11 @@ def kernel_problem(backend: str, layout: HeadLayout, device: torch.device, preci
     return None
 
 
-def _output_and_grads(backend, tensors, cotangent, documents, window, autocast_dtype):
-    leaves = [t.requires_grad_() for t in tensors]
+def _output_and_grads(backend, tensors, cotangent, documents, window, scale, autocast_dtype):
+    leaves = [t.detach().requires_grad_() for t in tensors]  # detach: a view of its own, strides kept
     autocast = (torch.autocast(leaves[0].device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
     with torch.enable_grad(), autocast:
-        out = attention.attend(*leaves, documents.using(backend), window=window)
+        out = attention.attend(*leaves, documents.using(backend), scale, window=window)
     grads = torch.autograd.grad(out, leaves, cotangent.to(out.dtype))
     return [out.detach(), *grads]
