@@ -13,6 +13,9 @@ from typing import Any
 PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
 """trainer.precision: fp32 and fp64 weights and math; bf16 and fp16 autocast over fp32 weights (fp16 with
 dynamic loss scaling)."""
+PRECISION_DTYPES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
+"""The torch dtype each trainer.precision computes in, by name (this module imports no torch):
+`getattr(torch, PRECISION_DTYPES[precision])`."""
 STEP_POLICIES = ("skip", "stop")
 """trainer.empty_step and trainer.nonfinite: skip the update (counted, warned) | stop the run."""
 OPTIMIZERS = ("adamw", "sgd")

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ddptrain.config.choices import PRECISION_DTYPES
 from ddptrain.data.boundaries import DocumentBoundaries
 from ddptrain.models import attention
 
 CHECKED_BACKENDS = ("gather", "varlen", "flex")
-PRECISION_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BOUNDS = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
 """Largest difference from the fp64 reference, relative to its largest entry, per trainer.precision."""
 CHECK_WIDTH = 320
@@ -139,12 +139,13 @@ def kernel_problem(backend: str, layout: HeadLayout, device: torch.device, preci
     inputs = [torch.randn(2, h, width, layout.head_dim, generator=generator, dtype=torch.float64) for h in heads]
     cotangent = torch.randn(2, width, layout.heads, layout.head_dim, generator=generator, dtype=torch.float64)
     half = precision in ("bf16", "fp16")
-    dtype = torch.float32 if half else PRECISION_DTYPES[precision]  # half: fp32 inputs under autocast, as in a step
+    computes_in = getattr(torch, PRECISION_DTYPES[precision])
+    dtype = torch.float32 if half else computes_in  # half: fp32 inputs under autocast, as in a step
     laid_out = [t.to(device, dtype) if memory is None else memory.lay_out(t.to(device, dtype))
                 for t, memory in zip(inputs, layout.qkv_memory())]
     for window in layout.windows:
         theirs = _output_and_grads(backend, laid_out, cotangent.to(device, dtype), documents, window, layout.scale,
-                                   PRECISION_DTYPES[precision] if half else None)
+                                   computes_in if half else None)
         reference = _output_and_grads("mask", [t.to(device) for t in inputs], cotangent.to(device), documents,
                                       window, layout.scale, None)
         for name, ours, exact in zip(("output", "grad q", "grad k", "grad v"), theirs, reference):

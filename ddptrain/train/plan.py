@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ddptrain.config.choices import PRECISION_DTYPES
 from ddptrain.engine.objective import token_loss_sum
 from ddptrain.models.spec import logits_of
 
@@ -163,7 +164,7 @@ def saved_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int
                            vocab_size: int) -> int:
     """Bytes autograd saves for backward in one forward of one microbatch (meta tensors), then a
     backward (which must run: a saved tensor it cannot use would show as an error here)."""
-    dtype = {"fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    dtype = getattr(torch, PRECISION_DTYPES[precision])
     run = model if next(model.parameters()).dtype == dtype else model.to(dtype)  # meta: no copy of any data
     saved = [0]
 
