@@ -20,6 +20,7 @@ keep the dense 4D mask (backend `mask`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -267,28 +268,35 @@ def _how_attention_is_called(model: nn.Module) -> tuple[tuple | None, float | No
 
     transformers.AttentionInterface.register(PACKED_ATTENTION, recording)
     try:
-        _packed_probe(model, lengths=(5, 7))
+        with _probing(model):
+            _packed_probe(model, lengths=(5, 7))
     finally:
         transformers.AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
     return calls[0] if calls else (None, None)
 
 
+@contextlib.contextmanager
+def _probing(model: nn.Module):
+    """Eval mode (no dropout) and no grad for a probe forward; the model's mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def _packed_probe(model: nn.Module, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One packed row of random documents of `lengths` through `model` (eval, no grad) with the gather
-    backend's boundaries: its logits and the row's token ids."""
+    """One packed row of random documents of `lengths` through `model` with the gather backend's
+    boundaries: its logits and the row's token ids."""
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, sum(lengths)), generator=generator)
     segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     documents = DocumentBoundaries.from_segments(segments.numpy()).using("gather")
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return model(idx=ids, positions=positions, segments=segments, documents=documents).logits, ids
-    finally:
-        model.train(was_training)
+    return model(idx=ids, positions=positions, segments=segments, documents=documents).logits, ids
 
 
 def packing_problem(model: nn.Module) -> str | None:
@@ -299,18 +307,14 @@ def packing_problem(model: nn.Module) -> str | None:
     probe's boundaries run the gather backend (varlen and flex need CUDA; the route to the kernel
     is the same)."""
     lengths = (5, 7)
-    was_training = model.training
     try:
-        packed, ids = _packed_probe(model, lengths)
-        model.eval()
-        with torch.no_grad():
+        with _probing(model):
+            packed, ids = _packed_probe(model, lengths)
             alone = torch.cat([model(ids[:, start:start + n]).logits
                                for start, n in zip((0, lengths[0]), lengths)], dim=1)
     except Exception as error:  # noqa: BLE001 - an attention that cannot take packed rows (Bloom's eager raises)
         return (f"fails on packed rows (idx, positions, segments, documents): {type(error).__name__}: "
                 f"{str(error).splitlines()[0]}")
-    finally:
-        model.train(was_training)
     difference = float((packed - alone).abs().max())
     if not difference <= 1e-4:
         return f"logits differ by {difference:.3g} from each document alone"
