@@ -176,10 +176,39 @@ def test_model_hf_layouts_are_how_each_architecture_calls_attention(tmp_path, mo
         hf.use_packed_attention(model, "gather")
         layout = hf.head_layout(model)
         assert layout.memory[2] == expected_v[name], (name, layout)
+        assert hf.packing_problem(model) is None, name
         calls = _recording_attend(monkeypatch)
-        assert hf.packing_problem(model) is None, name  # a packed forward, through the registered function again
+        with torch.no_grad():
+            hf._packed_probe(model, lengths=(5, 7))  # a packed forward, through the registered function again
         assert_laid_out_as_called(layout, calls[0])
         monkeypatch.undo()
+
+
+def test_model_hf_start_up_runs_the_packing_probe_once(tmp_path, monkeypatch):
+    """build_model with packed rows asks for the probe three times (the adapter's choice of backend,
+    the kernel check's layout, check_model's refusal) and runs its forwards (a packed row, each of
+    its two documents alone) once; through the dense mask, whose probe is not kept, once too."""
+    transformers = import_optional("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    forwards, real = [], transformers.LlamaForCausalLM.forward
+
+    def counted(self, *args, **kwargs):
+        forwards.append((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).size(1))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", counted)
+    overrides = ["model=hf", f"model.path={tmp_path / 'llama'}", "batch.pack=true", "batch.seq_len=64"]
+    for backend in ("auto", "mask"):
+        forwards.clear()
+        model, _, adapter = build_model(compose_config([*overrides, f"trainer.attention={backend}"]), VOCAB)
+        assert model.packed_attention == ("gather" if backend == "auto" else "mask")
+        assert sorted(forwards) == [5, 7, 12], (backend, forwards)
+        if backend == "auto":
+            assert adapter.head_layout(model).memory == separate_projections(4, 2, 16)
+            assert len(forwards) == 3, "the layout is the probe's, kept"
 
 
 def gpt_config(attention_backend: str):

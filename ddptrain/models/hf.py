@@ -21,6 +21,7 @@ keep the dense 4D mask (backend `mask`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -141,6 +142,7 @@ def use_packed_attention(model: nn.Module, backend: str) -> None:
         base.set_attn_implementation(PACKED_ATTENTION)
     for module in {id(model): model, id(base): base}.values():
         module.packed_attention = backend
+    base.__dict__.pop(_PROBE_KEPT, None)  # the last probe spoke of the attention this call replaced
 
 
 def _register_packed_attention() -> None:
@@ -234,7 +236,7 @@ def head_layout(model: nn.Module) -> HeadLayout:
     """The heads of its attention layers (query, key/value, dimensions), the windows they slide
     over (one where every layer slides: Mistral; none and the window where some do: Qwen2's
     layer_types; none where none does), and how its q, k and v reach ddptrain's attention
-    function: their memory layout and softmax scale, as one small packed forward hands them over
+    function: their memory layout and softmax scale, as the probe's packed forward hands them over
     (architectures differ: Llama's each a projection of its own, GPT-2's views of one, Phi-3's and
     GPT-NeoX's q and k contiguous beside a v that is a view)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -248,31 +250,76 @@ def head_layout(model: nn.Module) -> HeadLayout:
         windows = (every_layer,)
     else:
         windows = (None, window) if window is not None and "sliding_attention" in layer_types else (None,)
-    memory, scale = _how_attention_is_called(model)
+    memory, scale = _probe(model).call if _through_our_function(model) else (None, None)
     return HeadLayout(heads, kv_heads, head_dim, windows, memory, scale)
 
 
-def _how_attention_is_called(model: nn.Module) -> tuple[tuple | None, float | None]:
-    """The memory layout (kernel_check.TokenMajor) of the q, k and v the first layer passes to
-    ddptrain's attention function, and its scaling, in one packed forward; (None, None) where packed
-    rows do not go through that function (the dense mask)."""
-    if getattr(model, "packed_attention", "mask") == "mask":
-        return None, None
-    transformers = _transformers()
-    calls = []
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """What one packed row of two short documents showed: `problem`, why its logits are not each
+    document's alone (None: they are); `call`, the memory layouts (kernel_check.TokenMajor) of the
+    q, k and v the first layer passed to ddptrain's attention function, and its scaling ((None,
+    None) where the row did not reach that function)."""
+
+    problem: str | None
+    call: tuple = (None, None)
+
+
+_PROBE_KEPT = "ddptrain_packed_probe"
+"""Where a model keeps its probe through ddptrain's attention function until use_packed_attention
+switches its attention again: start-up asks three times (the adapter's choice of backend, the
+kernel check's layout, check_model)."""
+
+
+def _through_our_function(model: nn.Module) -> bool:
+    return getattr(model, "packed_attention", "mask") != "mask"
+
+
+def _probe(model: nn.Module) -> _Probe:
+    """The probe of the attention packed rows take now (`use_packed_attention`). Through
+    ddptrain's function it is kept on the model (its verdict does not depend on which of gather,
+    varlen or flex: the probe runs the gather); through the dense mask it runs every time."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kept = base.__dict__.get(_PROBE_KEPT)
+    if kept is not None and _through_our_function(model):
+        return kept
+    probe = _run_probe(model)
+    if _through_our_function(model):
+        base.__dict__[_PROBE_KEPT] = probe
+    return probe
+
+
+def _run_probe(model: nn.Module) -> _Probe:
+    """Architectures differ in whether they honour the boundaries (or a custom 4D mask) and position
+    ids; one small forward on CPU tells, instead of silently attending across documents. The
+    probe's boundaries run the gather backend (varlen and flex need CUDA; the route to the kernel
+    is the same). Its packed forward goes through a recording wrapper of ddptrain's attention
+    function, registered under transformers' AttentionInterface for the probe alone."""
+    transformers, calls = _transformers(), []
 
     def recording(module, query, key, value, *args, **kwargs):
-        if not calls:
+        if not calls and kwargs.get("documents") is not None:
             calls.append(((TokenMajor.of(query), TokenMajor.of(key), TokenMajor.of(value)), kwargs.get("scaling")))
         return packed_attention_forward(module, query, key, value, *args, **kwargs)
 
-    transformers.AttentionInterface.register(PACKED_ATTENTION, recording)
+    lengths = (5, 7)
+    recorded = _through_our_function(model)
+    if recorded:
+        transformers.AttentionInterface.register(PACKED_ATTENTION, recording)
     try:
         with _probing(model):
-            _packed_probe(model, lengths=(5, 7))
+            packed, ids = _packed_probe(model, lengths)
+            alone = torch.cat([model(ids[:, start:start + n]).logits
+                               for start, n in zip((0, lengths[0]), lengths)], dim=1)
+    except Exception as error:  # noqa: BLE001 - an attention that cannot take packed rows (Bloom's eager raises)
+        return _Probe(f"fails on packed rows (idx, positions, segments, documents): {type(error).__name__}: "
+                      f"{str(error).splitlines()[0]}")
     finally:
-        transformers.AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    return calls[0] if calls else (None, None)
+        if recorded:
+            transformers.AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    difference = float((packed - alone).abs().max())
+    problem = None if difference <= 1e-4 else f"logits differ by {difference:.3g} from each document alone"
+    return _Probe(problem, calls[0] if calls else (None, None))
 
 
 @contextlib.contextmanager
@@ -300,25 +347,9 @@ def _packed_probe(model: nn.Module, lengths: tuple[int, ...]) -> tuple[torch.Ten
 
 
 def packing_problem(model: nn.Module) -> str | None:
-    """Why a packed row does not compute each document exactly as if it were alone; None if it does.
-
-    Architectures differ in whether they honour the boundaries (or a custom 4D mask) and position
-    ids; one small forward on CPU tells, instead of silently attending across documents. The
-    probe's boundaries run the gather backend (varlen and flex need CUDA; the route to the kernel
-    is the same)."""
-    lengths = (5, 7)
-    try:
-        with _probing(model):
-            packed, ids = _packed_probe(model, lengths)
-            alone = torch.cat([model(ids[:, start:start + n]).logits
-                               for start, n in zip((0, lengths[0]), lengths)], dim=1)
-    except Exception as error:  # noqa: BLE001 - an attention that cannot take packed rows (Bloom's eager raises)
-        return (f"fails on packed rows (idx, positions, segments, documents): {type(error).__name__}: "
-                f"{str(error).splitlines()[0]}")
-    difference = float((packed - alone).abs().max())
-    if not difference <= 1e-4:
-        return f"logits differ by {difference:.3g} from each document alone"
-    return None
+    """Why a packed row does not compute each document exactly as if it were alone; None if it does
+    (the probe, `_probe`)."""
+    return _probe(model).problem
 
 
 def check_packing(model: nn.Module) -> None:
