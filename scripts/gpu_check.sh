@@ -3,7 +3,10 @@
 # 50304: ~124M parameters) in bf16 with trainer.compile=true for a few dozen steps, one process per
 # GPU, and print tokens/s, MFU and peak memory from metrics.jsonl; then a second short run with
 # torch.cuda.set_sync_debug_mode("warn") counts the host synchronisations of rank 0 by source line;
-# last, packed attention per backend is timed against causal SDPA (benchmarks/bench_attention.py).
+# then packed attention per backend is timed against causal SDPA (benchmarks/bench_attention.py);
+# then the same GPT trains on packed paragraphs through the CLI once per trainer.attention backend;
+# last, unpacked rows of a new width in every call time SDPA's default kernels against SDPA without
+# cuDNN (which builds a graph for every new shape).
 #
 #   scripts/gpu_check.sh                    # all visible GPUs
 #   NPROC=1 STEPS=60 MICRO=8 scripts/gpu_check.sh
@@ -11,7 +14,9 @@
 # Environment: NPROC (processes, default: every GPU), STEPS (default 40), LOG_EVERY (10), MICRO
 # (sequences per microbatch per GPU, default 16), SYNC_STEPS (steps of the sync-count run, default
 # 20; 0 skips it), ATTENTION_SEQ_LENS (the packed-attention timing's T values, default 1024,4096;
-# empty skips it), WORK (scratch directory, default a new temporary one; kept at the end).
+# empty skips it), PACKED_BACKENDS (the CLI's packed runs, default "auto gather mask"; empty skips
+# them), PACKED_STEPS (steps of each, default 20), RAGGED_CALLS (unpacked widths timed, default 20;
+# 0 skips it), WORK (scratch directory, default a new temporary one; kept at the end).
 # The data: this interpreter's standard-library sources as byte tokens in a uint16 token file, each
 # file ended by id 50256; the model's vocabulary is GPT-2's padded 50304, so the embedding and the
 # LM head cost what they cost in GPT-2 small. The first window holds the compile; the summary
@@ -29,6 +34,9 @@ LOG_EVERY=${LOG_EVERY:-10}
 MICRO=${MICRO:-16}
 SYNC_STEPS=${SYNC_STEPS:-20}
 ATTENTION_SEQ_LENS=${ATTENTION_SEQ_LENS-1024,4096}
+PACKED_BACKENDS=${PACKED_BACKENDS-auto gather mask}
+PACKED_STEPS=${PACKED_STEPS:-20}
+RAGGED_CALLS=${RAGGED_CALLS:-20}
 WORK=${WORK:-$(mktemp -d -t ddptrain_gpu_check.XXXXXX)}
 mkdir -p "$WORK"
 echo "gpu_check: $NPROC process(es) on: $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
@@ -173,5 +181,99 @@ if [[ -n "$ATTENTION_SEQ_LENS" ]]; then
     echo
     python -m benchmarks.bench_attention --seq-lens "$ATTENTION_SEQ_LENS" --mixes short,long,corpus --rows 8 \
         --heads 12 --head-dim 64
+fi
+
+# 4. Packed training through the CLI, one short run per backend: the same GPT, not compiled, on the
+# standard library's paragraphs (data=text data.split_by=paragraph, byte tokens) in packed rows of
+# 1024 tokens. Each run's start-up line names the backend it got; the table gives its tokens/s and
+# forward-backward time at the last step, and its last loss (every backend computes the same
+# attention: the losses agree to bf16's rounding).
+if [[ -n "$PACKED_BACKENDS" ]]; then
+    PARAGRAPHS=$(python -c 'from ddptrain.data.sources import stdlib_root; print(stdlib_root() / "*.py")')
+    for backend in $PACKED_BACKENDS; do
+        echo
+        rm -rf "$WORK/packed_$backend"
+        "${TORCHRUN[@]}" -m ddptrain model.n_layer=12 model.n_head=12 model.n_embd=768 \
+            data=text "data.paths=[$PARAGRAPHS]" data.split_by=paragraph data.tokenizer=byte \
+            batch.pack=true batch.seq_len=1024 batch.micro_size="$MICRO" batch.global_size=$((2 * MICRO * NPROC)) \
+            trainer.precision=bf16 trainer.attention="$backend" trainer.max_steps="$PACKED_STEPS" \
+            trainer.log_every=$(( PACKED_STEPS > 1 ? PACKED_STEPS / 2 : 1 )) trainer.eval_examples=16 \
+            logger.progress=lines run.dir="$WORK/packed_$backend" > "$WORK/packed_$backend.log" 2>&1 || true
+        grep -E "packed attention|error|Error" "$WORK/packed_$backend.log" | head -5 || true
+    done
+    python - "$WORK" $PACKED_BACKENDS <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+work = Path(sys.argv[1])
+print(f"\n{'trainer.attention':>18} {'tokens/s':>10} {'fwd-bwd s':>10} {'loss':>8}   (the last step's)")
+for backend in sys.argv[2:]:
+    metrics = work / f"packed_{backend}" / "metrics.jsonl"
+    records = [json.loads(line) for line in open(metrics) if line.strip()] if metrics.exists() else []
+    if not records:
+        print(f"{backend:>18} failed: see {work / f'packed_{backend}.log'}")
+        continue
+    last = records[-1]
+    print(f"{backend:>18} {last['tokens_per_second']:>10,.0f} {last['forward_backward_s']:>10.3f} {last['loss']:>8.4f}")
+EOF
+fi
+
+# 5. Unpacked rows of a new width in every call (MICRO of the corpus' paragraphs padded to the
+# longest, as batch.pack=false lays them out): causal SDPA fwd+bwd with SDPA's default kernels
+# (cuDNN's first on sm90/sm100 with a recent cuDNN) against SDPA without cuDNN, bf16, GPT-2-small's
+# heads, interleaved call by call. cuDNN builds a graph for every new shape (2.4 s for one fresh
+# microbatch's gather buckets on an H200): this shows what that costs unpacked training's rows.
+if (( RAGGED_CALLS > 0 )); then
+    echo
+    python - "$MICRO" "$RAGGED_CALLS" <<'EOF'
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.peer_common import stdlib_glob, training_examples
+
+rows, calls = int(sys.argv[1]), int(sys.argv[2])
+lengths = training_examples(argparse.Namespace(data_glob=stdlib_glob(), seq_len=1024)).lengths - 1
+rng = np.random.default_rng(0)
+widths: list[int] = []
+while len(widths) < calls:  # every call a width not met before, as a long run keeps meeting them
+    width = int(lengths[rng.choice(len(lengths), rows, replace=False)].max())
+    if width not in widths:
+        widths.append(width)
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def call(width: int, backends) -> float:
+    q, k, v = (torch.randn(rows, 12, width, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start)
+
+
+call(1024, None), call(1024, WITHOUT_CUDNN)  # the kernels' first load, for both (1024: never a width below)
+contenders = [("default", None), ("without cudnn", WITHOUT_CUDNN)]
+times: dict[str, list[float]] = {name: [] for name, _ in contenders}
+for number, width in enumerate(widths):
+    for name, backends in contenders if number % 2 == 0 else contenders[::-1]:
+        times[name].append(call(width, backends))
+print(f"unpacked rows: {calls} microbatches of {rows} paragraphs, widths {min(widths)}-{max(widths)} tokens, each "
+      "new; 12 heads x 64, bf16, causal SDPA fwd+bwd")
+print(f"{'SDPA':>14} {'median ms':>10} {'max ms':>9} {'total s':>8}")
+for name, values in times.items():
+    print(f"{name:>14} {statistics.median(values):>10.2f} {max(values):>9.2f} {sum(values) / 1000:>8.2f}")
+EOF
 fi
 echo "gpu_check: done; run dirs under $WORK"

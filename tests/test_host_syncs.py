@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -235,9 +236,10 @@ def test_the_trainer_syncs_only_on_log_checkpoint_and_preemption_steps_on_cuda(t
                     reason="scripts/gpu_check.sh needs an NVIDIA GPU and nvidia-smi")
 def test_gpu_check_script_runs_and_reports_throughput_and_host_syncs(tmp_path):
     """scripts/gpu_check.sh as documented in its header, with fewer steps and a smaller microbatch:
-    the compiled bf16 GPT-2-small run on every GPU, its throughput table, and the sync-count run."""
+    the compiled bf16 GPT-2-small run on every GPU, its throughput table, the sync-count run, packed
+    attention's timing, a packed CLI run per backend and the unpacked rows' timing."""
     env = {**os.environ, "STEPS": "20", "LOG_EVERY": "10", "SYNC_STEPS": "10", "MICRO": "4", "WORK": str(tmp_path),
-           "ATTENTION_SEQ_LENS": "1024",
+           "ATTENTION_SEQ_LENS": "1024", "PACKED_BACKENDS": "auto mask", "PACKED_STEPS": "4", "RAGGED_CALLS": "4",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # its `python` is ours
     result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=1700)
@@ -250,6 +252,11 @@ def test_gpu_check_script_runs_and_reports_throughput_and_host_syncs(tmp_path):
     assert "benchmarks.bench_attention: cuda" in result.stdout and "time, ms (x causal)" in result.stdout, \
         output[-6000:]
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [10, 20]
+    for backend in ("auto", "mask"):
+        assert re.search(rf"^ +{backend} +[\d,]+ +[\d.]+ +[\d.]+$", result.stdout, re.M), output[-6000:]
+        assert [m["step"] for m in read_metrics(tmp_path / f"packed_{backend}")] == [2, 4]
+    assert "unpacked rows: 4 microbatches of 4 paragraphs" in result.stdout, output[-6000:]
+    assert re.search(r"^ +without cudnn +[\d.]+ +[\d.]+ +[\d.]+$", result.stdout, re.M), output[-6000:]
 
 
 # -- fp16 -----------------------------------------------------------------------------------------

@@ -293,8 +293,10 @@ def test_a_kernel_that_fails_on_one_rank_is_refused_on_every_rank():
                                                ("varlen", "bf16"), ("flex", "bf16")])
 @pytest.mark.parametrize("layout", [GPT_LAYOUT, HF_TEST_LAYOUT, NEOX_LAYOUT, HeadLayout(32, 8, 128, (None, 64))],
                          ids=["gpt", "gqa_window", "neox", "llama_8b_heads"])
-def test_every_backend_passes_the_check_on_cuda(layout, backend, precision):
+@pytest.mark.parametrize("seq_len", [2048, 96], ids=["width_320", "width_96"])
+def test_every_backend_passes_the_check_on_cuda(layout, backend, precision, seq_len):
     """The kernels themselves, with the heads, scale and strided q, k, v of tests/test_attention.py's
-    model=hf case (whose flex case failed once on an H200): this passing while that fails puts the
-    fault outside the kernel."""
-    assert kernel_problem(backend, layout, torch.device("cuda"), precision, seq_len=2048) is None
+    model=hf case (whose flex case failed once on an H200), in the check's rows of 320 tokens and in
+    rows of that case's 96 (less than one flex block of 128): this passing while that fails puts the
+    fault outside the kernel; width_96 failing alone puts it in rows shorter than a block."""
+    assert kernel_problem(backend, layout, torch.device("cuda"), precision, seq_len=seq_len) is None
