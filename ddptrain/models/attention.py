@@ -310,16 +310,33 @@ def _warn_varlen_has_no_window() -> None:
                 "the gather backend", torch.__version__)
 
 
-_compiled_flex = None
+_COMPILED_FLEX = None
+
+
+def _flex_kernel(compiled: bool):
+    """flex_attention, compiled (once per process) or as it is. Uncompiled, it materialises the
+    scores (CPU: forward only, no backward in torch 2.13); compiled, its kernel is fused.
+
+    Compiled with dynamo's automatic dynamic shapes, not `dynamic=False`: packed microbatches change
+    shape (a rank's last microbatch has fewer rows, T is the longest row, evaluation's and the start-up
+    check's rows differ). A graph per shape reaches dynamo's recompile limit of 8 graphs, after which
+    every new shape silently runs the uncompiled kernel and its B x H x T x T scores (seen on CPU's
+    compiled forward: the ninth shape). This way the second shape makes the batch and the length
+    symbolic: a few graphs in all (per window; one row, and rows shorter than a block of 128, get
+    their own)."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX
 
 
 def _flex(q, k, v, documents, scale, window):
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    if q.is_cuda and _compiled_flex is None:
-        # Uncompiled, flex attention materialises the scores; compiled once, its kernel is fused.
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
     segments = documents.segments
     batch, _, seq, dim = q.shape
     if q.is_cuda and dim < 16:
@@ -334,6 +351,5 @@ def _flex(q, k, v, documents, scale, window):
     # _compile: evaluate the mask block by block (torchtitan does so), never as a B x T x T grid.
     block_mask = documents.cached(("flex", window, q.device), lambda: create_block_mask(
         document_causal, batch, None, seq, seq, device=q.device, _compile=q.is_cuda))
-    run = _compiled_flex if q.is_cuda else flex_attention  # CPU: forward only (no backward in torch 2.13)
-    out = run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
+    out = _flex_kernel(compiled=q.is_cuda)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
     return out.transpose(1, 2)
