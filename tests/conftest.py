@@ -38,3 +38,17 @@ def _no_process_group_or_environment_left_behind():
     if dict(os.environ) != environment:
         os.environ.clear()
         os.environ.update(environment)
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmul_precision_as_it_was():
+    """Trainer.build sets torch.set_float32_matmul_precision("high") for fp32 runs on CUDA (TF32
+    matmuls), process-wide, and tests build Trainers in-process (on CUDA wherever a GPU is). Left
+    set, it would put every later test of the same worker on TF32, compiled flex attention's fp32
+    kernel included: TF32's rounding alone moves attention by 4e-4 to 7e-4 (relative), and the CUDA
+    exactness tests ask for 1e-5. Each test gets the precision back as it found it."""
+    import torch
+
+    saved = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(saved)

@@ -19,7 +19,8 @@ import torch
 
 from ddptrain.config import compose_config
 from ddptrain.models import attention, kernel_check
-from ddptrain.models.kernel_check import HeadLayout, TokenMajor, kernel_problem, separate_projections
+from ddptrain.models.kernel_check import (HeadLayout, TokenMajor, fp32_matmuls_in_tf32, kernel_problem,
+                                          separate_projections)
 from ddptrain.models.spec import ModelError
 from ddptrain.testing import run_distributed
 from ddptrain.train.builder import build_model
@@ -112,6 +113,65 @@ def test_a_kernel_that_drops_the_models_scale_fails(monkeypatch):
     assert kernel_problem("gather", HF_TEST_LAYOUT, CPU, "fp32", seq_len=1024) is None, "0.25 = 1/sqrt(16)"
     problem = kernel_problem("gather", dataclasses.replace(HF_TEST_LAYOUT, scale=0.125), CPU, "fp32", seq_len=1024)
     assert problem is not None and problem.startswith("output differs") and "scale 0.125" in problem, problem
+
+
+def _round_to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 `t` with 10 bits of mantissa (round to nearest), as a TF32 matmul reads its operands."""
+    bits = t.float().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).to(t.dtype)
+
+
+class _TF32Operands(torch.autograd.Function):
+    """Rounds a tensor and its gradient to TF32: the operands of the forward and backward matmuls."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return _round_to_tf32(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _round_to_tf32(grad)
+
+
+def test_fp32_on_a_gpu_whose_matmuls_run_in_tf32_is_checked_against_tf32s_bound(monkeypatch):
+    """Trainer.build lets fp32 matmuls run in TF32 on CUDA, and compiled flex follows that setting.
+    A kernel whose operands are rounded to TF32 is within TF32's bound and beyond fp32's: refused
+    before, a correct kernel of an fp32 run on a GPU. A wrong kernel still fails TF32's bound."""
+    def tf32_gather(q, k, v, documents, scale, dropout, window, real=attention._gather):
+        q, k, v = (_TF32Operands.apply(t) for t in (q, k, v))
+        return _TF32Operands.apply(real(q, k, v, documents, scale, dropout, window))
+
+    monkeypatch.setattr(attention, "_gather", tf32_gather)
+    problem = kernel_problem("gather", HF_TEST_LAYOUT, CPU, "fp32", seq_len=1024)
+    assert problem is not None and "beyond 0.0001 for fp32, on cpu" in problem, problem
+    monkeypatch.setattr(kernel_check, "fp32_matmuls_in_tf32", lambda device: True)  # as on CUDA after Trainer.build
+    assert kernel_problem("gather", HF_TEST_LAYOUT, CPU, "fp32", seq_len=1024) is None
+    assert kernel_problem("gather", HF_TEST_LAYOUT, CPU, "fp64", seq_len=1024) is not None, "fp64 keeps its bound"
+    monkeypatch.setattr(attention, "_gather", wrong_backward_for_k)
+    problem = kernel_problem("gather", HF_TEST_LAYOUT, CPU, "fp32", seq_len=1024)
+    assert problem is not None and "beyond 0.005 for fp32 (matmuls in tf32)" in problem, problem
+
+
+def test_fp32_matmuls_in_tf32_reads_torchs_setting_through_either_api():
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    try:
+        assert not fp32_matmuls_in_tf32(cuda), "torch's default: IEEE fp32"
+        torch.set_float32_matmul_precision("high")  # what Trainer.build sets for fp32 on CUDA
+        assert fp32_matmuls_in_tf32(cuda) and not fp32_matmuls_in_tf32(CPU)
+        torch.set_float32_matmul_precision("highest")
+        assert not fp32_matmuls_in_tf32(cuda)
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # the newer API
+        assert fp32_matmuls_in_tf32(cuda)
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert not fp32_matmuls_in_tf32(cuda)
+        torch.backends.cuda.matmul.fp32_precision = "none"  # matmuls inherit the global setting:
+        torch.backends.fp32_precision = "tf32"  # TF32, and the older API's getter raises (mixed APIs)
+        with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+            torch.get_float32_matmul_precision()
+        assert fp32_matmuls_in_tf32(cuda)
+    finally:
+        torch.backends.fp32_precision = "none"
+        torch.set_float32_matmul_precision("highest")
 
 
 def _recording_attend(monkeypatch) -> list:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ddptrain.models.kernel_check import fp32_matmuls_in_tf32
+
 # Dense (not 2:4 sparse) peak FLOP/s per device from the vendors' data sheets. "tf32" is the
 # tensor-core rate an fp32 matmul gets when torch allows TF32; "fp32" is the plain CUDA-core
 # rate. None: the precision has no fast path there (V100 and T4 have no bf16 tensor cores).
@@ -69,7 +71,7 @@ def device_peak_flops(device: torch.device, precision: str, override: float | No
         return float(override)
     if device.type != "cuda":
         return None
-    if precision == "fp32" and torch.get_float32_matmul_precision() != "highest":
+    if precision == "fp32" and fp32_matmuls_in_tf32(device):
         precision = "tf32"
     if precision not in ("bf16", "fp32", "tf32"):
         return None  # fp64: not in the table; set logger.peak_flops
