@@ -351,5 +351,6 @@ def _flex(q, k, v, documents, scale, window):
     # _compile: evaluate the mask block by block (torchtitan does so), never as a B x T x T grid.
     block_mask = documents.cached(("flex", window, q.device), lambda: create_block_mask(
         document_causal, batch, None, seq, seq, device=q.device, _compile=q.is_cuda))
-    out = _flex_kernel(compiled=q.is_cuda)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
+    flex = _flex_kernel(compiled=q.is_cuda)
+    out = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
     return out.transpose(1, 2)
