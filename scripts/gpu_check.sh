@@ -189,7 +189,7 @@ fi
 # forward-backward time at the last step, and its last loss (every backend computes the same
 # attention: the losses agree to bf16's rounding).
 if [[ -n "$PACKED_BACKENDS" ]]; then
-    PARAGRAPHS=$(python -c 'from ddptrain.data.sources import stdlib_root; print(stdlib_root() / "*.py")')
+    PARAGRAPHS=$(python -c 'from benchmarks.peer_common import stdlib_glob; print(stdlib_glob())')
     for backend in $PACKED_BACKENDS; do
         echo
         rm -rf "$WORK/packed_$backend"
