@@ -192,29 +192,35 @@ def test_flex_document_mask_equals_the_dense_mask_forward_on_cpu(window):
 @pytest.mark.slow
 def test_compiled_flex_keeps_few_graphs_as_microbatch_shapes_change(monkeypatch):
     """Packed microbatches change shape (fewer rows in a rank's last one, T the longest row, the start-up
-    check's and evaluation's rows). The compiled kernel (CUDA's; compiled here on CPU, forward only)
-    must not take a graph per shape: at dynamo's recompile limit of 8 graphs, every new shape would run
-    uncompiled, on B x H x T x T scores, without an error. 12 shapes in 2 windows take 6 graphs (per
-    window, the first shape's and a symbolic one; one row; rows shorter than a block of 128), each equal
-    to the dense mask; with `dynamic=False` they took 8, and the last 4 shapes ran uncompiled."""
+    check's and evaluation's rows). The compiled block mask and kernel (CUDA's; compiled here on CPU,
+    forward only) must not take a graph per shape: at dynamo's recompile limit of 8 graphs, every new
+    shape would run uncompiled (the kernel on B x H x T x T scores, the block mask on its grid), without
+    an error. 12 shapes in 2 windows take 6 graphs each (per window, the first shape's and a symbolic
+    one; one row; rows shorter than a block of 128), each equal to the dense mask; with `dynamic=False`
+    the kernel took 8, and the last 4 shapes ran uncompiled. Neither is compiled through
+    create_block_mask's deprecated `_compile` flag."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    real = attention._flex_kernel
+    real = attention._flex_functions
     monkeypatch.setattr(attention, "_COMPILED_FLEX", None)
-    monkeypatch.setattr(attention, "_flex_kernel", lambda compiled: real(True))
+    monkeypatch.setattr(attention, "_flex_functions", lambda compiled: real(True))
     torch._dynamo.reset()
     shapes = [(2, 320, None), (2, 320, 4), (8, 256, None), (3, 256, None), (7, 200, 4), (5, 240, None),
               (16, 256, None), (9, 256, 4), (11, 131, None), (1, 256, None), (4, 256, None), (6, 96, None)]
-    for rows, width, window in shapes:
-        documents = DocumentBoundaries.from_segments(ragged_segments(rows, width, seed=rows))
-        q, k, v = (t.detach().float() for t in qkv((rows, 4, width, 16), 2, torch.float64, seed=rows))
-        with torch.no_grad():
-            flex = attention.attend(q, k, v, documents.using("flex"), 0.25, window=window)
-            reference = attention.attend(q, k, v, documents.using("mask"), 0.25, window=window)
-        assert float((flex - reference).abs().max()) <= 1e-5, (rows, width, window)
-    graphs = len(_debug_get_cache_entry_list(flex_attention.__code__))
-    assert graphs <= 6, f"{graphs} graphs for {len(shapes)} shapes"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        for rows, width, window in shapes:
+            documents = DocumentBoundaries.from_segments(ragged_segments(rows, width, seed=rows))
+            q, k, v = (t.detach().float() for t in qkv((rows, 4, width, 16), 2, torch.float64, seed=rows))
+            with torch.no_grad():
+                flex = attention.attend(q, k, v, documents.using("flex"), 0.25, window=window)
+                reference = attention.attend(q, k, v, documents.using("mask"), 0.25, window=window)
+            assert float((flex - reference).abs().max()) <= 1e-5, (rows, width, window)
+    graphs = {function.__name__: len(_debug_get_cache_entry_list(function.__code__))
+              for function in (create_block_mask, flex_attention)}
+    assert all(count <= 6 for count in graphs.values()), f"{graphs} graphs for {len(shapes)} shapes"
+    assert not [str(w.message) for w in caught if "_compile" in str(w.message)]
 
 
 @needs_cuda

@@ -311,32 +311,34 @@ def _warn_varlen_has_no_window() -> None:
 
 
 _COMPILED_FLEX = None
+"""(create_block_mask, flex_attention), each compiled once per process (`_flex_functions`)."""
 
 
-def _flex_kernel(compiled: bool):
-    """flex_attention, compiled (once per process) or as it is. Uncompiled, it materialises the
-    scores (CPU: forward only, no backward in torch 2.13); compiled, its kernel is fused.
+def _flex_functions(compiled: bool):
+    """create_block_mask and flex_attention, compiled (once per process) or as they are. Uncompiled,
+    the block mask is built from a B x T x T grid and the kernel materialises the scores (CPU: forward
+    only, no backward in torch 2.13); compiled, the mask is evaluated block by block (torchtitan
+    compiles create_block_mask so; its `_compile=True` flag is deprecated since torch 2.13) and the
+    kernel is fused.
 
     Compiled with dynamo's automatic dynamic shapes, not `dynamic=False`: packed microbatches change
     shape (a rank's last microbatch has fewer rows, T is the longest row, evaluation's and the start-up
     check's rows differ). A graph per shape reaches dynamo's recompile limit of 8 graphs, after which
-    every new shape silently runs the uncompiled kernel and its B x H x T x T scores (seen on CPU's
-    compiled forward: the ninth shape). This way the second shape makes the batch and the length
-    symbolic: a few graphs in all (per window; one row, and rows shorter than a block of 128, get
-    their own)."""
+    every new shape silently runs uncompiled: the kernel on B x H x T x T scores (seen on CPU's
+    compiled forward: the ninth shape), the block mask on its grid. This way the second shape makes
+    the batch and the length symbolic: a few graphs in all for each function (per window; one row,
+    and rows shorter than a block of 128, get their own)."""
     global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if not compiled:
-        return flex_attention
+        return create_block_mask, flex_attention
     if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention)
+        _COMPILED_FLEX = torch.compile(create_block_mask), torch.compile(flex_attention)
     return _COMPILED_FLEX
 
 
 def _flex(q, k, v, documents, scale, window):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     segments = documents.segments
     batch, _, seq, dim = q.shape
     if q.is_cuda and dim < 16:
@@ -348,9 +350,8 @@ def _flex(q, k, v, documents, scale, window):
         allowed = (segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)
         return allowed if window is None else allowed & (q_idx - kv_idx < window)
 
-    # _compile: evaluate the mask block by block (torchtitan does so), never as a B x T x T grid.
+    create_block_mask, flex = _flex_functions(compiled=q.is_cuda)
     block_mask = documents.cached(("flex", window, q.device), lambda: create_block_mask(
-        document_causal, batch, None, seq, seq, device=q.device, _compile=q.is_cuda))
-    flex = _flex_kernel(compiled=q.is_cuda)
+        document_causal, batch, None, seq, seq, device=q.device))
     out = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.size(1) != q.size(1))
     return out.transpose(1, 2)
