@@ -52,3 +52,15 @@ def _float32_matmul_precision_as_it_was():
     saved = torch.get_float32_matmul_precision()
     yield
     torch.set_float32_matmul_precision(saved)
+
+
+@pytest.fixture(autouse=True)
+def _cudnn_attention_as_it_was():
+    """Trainer.build switches SDPA's cuDNN backend off, process-wide, on CUDA when the run's microbatches
+    change shape (ddptrain.models.attention.keep_sdpa_off_cudnn_if_shapes_change). Each test gets it
+    back as it found it."""
+    import torch
+
+    saved = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(saved)

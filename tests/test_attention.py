@@ -325,6 +325,59 @@ def test_the_gather_buckets_keep_sdpa_off_cudnn_on_cuda_only():
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
+def ragged_batches(pack: bool, micro_tokens: int | None = None):
+    """TrainBatches over 300 documents of 2 to 90 tokens, rows of at most 96 (SEQ) tokens."""
+    from ddptrain.data import TrainBatches
+
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(0, VOCAB, size=int(n)).astype(np.uint8) for n in rng.integers(2, 90, size=300)]
+    return TrainBatches(TokenExamples.from_documents(docs, SEQ), 16, 4, seed=0, rank=0, world_size=2,
+                        micro_tokens=micro_tokens, pack=pack, seq_len=SEQ)
+
+
+@pytest.fixture
+def cudnn_sdp_on():
+    """SDPA's cuDNN backend on, as torch starts (tests/conftest.py restores it after the test)."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+@pytest.mark.parametrize("pack, micro_tokens, changing", [(False, 512, True), (False, None, True), (True, 512, False),
+                                                          (True, None, False)],
+                         ids=["budget", "micro_size", "packed_budget", "packed_micro_size"])
+def test_sdpa_keeps_off_cudnn_on_cuda_where_microbatches_change_shape(cudnn_sdp_on, caplog, pack, micro_tokens,
+                                                                      changing):
+    """Unpacked rows of ragged documents are padded to each microbatch's longest: new shapes in every
+    step, for which cuDNN's attention builds a plan each. Packed rows are all of one width. The flag
+    is flipped on a CUDA device only (flipping it needs no GPU)."""
+    batches = ragged_batches(pack, micro_tokens)
+    shapes = batches.shapes_of_steps(range(attention.SHAPE_SAMPLE_STEPS))
+    assert (len(shapes) > attention.FIXED_SHAPES) == changing, sorted(shapes)
+    assert not attention.keep_sdpa_off_cudnn_if_shapes_change(shapes, torch.device("cpu"))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with caplog.at_level("INFO", logger="ddptrain"):
+        assert attention.keep_sdpa_off_cudnn_if_shapes_change(shapes, torch.device("cuda")) == changing
+    assert torch.backends.cuda.cudnn_sdp_enabled() != changing
+    assert ("attention: SDPA without cuDNN: the first 16 steps' microbatches take "
+            f"{len(shapes)} shapes" in caplog.text) == changing
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_ragged_rows_keep_sdpa_off_cudnn_in_a_cli_run_on_cuda(tmp_path):
+    """The CLI on the GPU: unpacked paragraphs under a token budget keep SDPA off cuDNN, and say so;
+    the same paragraphs packed keep SDPA's own choice."""
+    from benchmarks.peer_common import stdlib_glob
+    from tests.helpers import TINY_RUN, run_cli
+
+    common = [*TINY_RUN, "data=text", f"data.paths=[{stdlib_glob()}]", "data.split_by=paragraph", "data.max_docs=400",
+              "batch.seq_len=256", "batch.global_size=16", "trainer.max_steps=4", "trainer.eval_every=0"]
+    runs = [("ragged", ["batch.micro_tokens=1024"], True), ("packed", ["batch.pack=true"], False)]
+    for name, extra, expected in runs:
+        result = run_cli([*common, *extra, f"run.dir={tmp_path / name}"], env={"CUDA_VISIBLE_DEVICES": "0"})
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert ("attention: SDPA without cuDNN" in result.stderr + result.stdout) == expected, name
+
+
 # -- the built-in GPT --------------------------------------------------------------------------------------
 
 

@@ -202,18 +202,22 @@ def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, preci
     torch.manual_seed(cfg.run.seed)
     data = load_data(cfg, dist_info)
     batches = train_batches(cfg, data, dist_info)
+    run_device = device or dist_info.device
+    if run_device.type == "cuda":  # from step 0, whatever step a resumed run starts at: the same kernels
+        first_steps = range(min(attention.SHAPE_SAMPLE_STEPS, cfg.trainer.max_steps))
+        attention.keep_sdpa_off_cudnn_if_shapes_change(batches.shapes_of_steps(first_steps), run_device)
     microbatches = batches.microbatches(0)  # a rank may hold none: the others check
     sample = microbatches[0][0] if microbatches else None
     if isinstance(sample, dict):  # packed rows: the contract is on token ids (the packing probe checks the rest)
         sample = sample["idx"]
-    model, spec, adapter = build_model(cfg, data.vocab_size, device or dist_info.device,
+    model, spec, adapter = build_model(cfg, data.vocab_size, run_device,
                                        precision or cfg.trainer.precision, sample_inputs=sample)
     if prepare is not None:
         prepare(model)
     optimizer, scheduler = optimizer_and_schedule(cfg, model)
     engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
                     precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
-                    device=device or dist_info.device, objective=objective_of(cfg),
+                    device=run_device, objective=objective_of(cfg),
                     strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
                     save_frozen=adapter.saves_frozen_weights(spec))
     return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine)
