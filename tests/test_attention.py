@@ -490,13 +490,20 @@ def test_llama_through_model_hf_gather_equals_the_dense_mask_in_fp64(tmp_path):
 
 @pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 4})],
                          ids=["llama_gqa", "mistral_sliding_window"])
-def test_model_hf_flex_logits_equal_the_dense_mask_on_cpu(tmp_path, kind, extra):
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_model_hf_flex_logits_equal_the_dense_mask_on_cpu(tmp_path, monkeypatch, kind, extra, compiled):
     """The CUDA test's models and microbatch (grouped-query heads of 16 dimensions, a window of 4,
-    a padded last row), forward only: the CPU runs flex attention eagerly and has no backward. So
-    the boundaries, the window and the grouped-query heads reach flex attention through
-    transformers' attention interface as they reach the mask, padding included."""
+    a padded last row), forward only: the CPU has no flex backward. So the boundaries, the window
+    and the grouped-query heads reach flex attention through transformers' attention interface as
+    they reach the mask, padding included. `compiled`: the block mask and the kernel compiled as on
+    CUDA (CPU's code generation, not Triton's), so what the H200's failure leaves is the CUDA kernel
+    and its backward."""
     from ddptrain.models import hf
 
+    if compiled:
+        real = attention._flex_functions
+        monkeypatch.setattr(attention, "_COMPILED_FLEX", None)
+        monkeypatch.setattr(attention, "_flex_functions", lambda compiled: real(True))
     batch, _ = packed_microbatch(rows=4, seed=4)
     assert (batch["segments"] < 0).any(), "a padded row"
     model = hf_model(tmp_path, kind, hidden_size=64, **extra).float()
