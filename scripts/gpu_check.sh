@@ -224,7 +224,7 @@ fi
 # (cuDNN's first on sm90/sm100 with a recent cuDNN) against SDPA without cuDNN, bf16, GPT-2-small's
 # heads, interleaved call by call. cuDNN builds a graph for every new shape (2.4 s for one fresh
 # microbatch's gather buckets on an H200), so a run whose microbatches change shape keeps SDPA off
-# cuDNN (ddptrain.models.attention.keep_sdpa_off_cudnn_if_shapes_change): this shows what that saves.
+# cuDNN (ddptrain.train.builder.keep_sdpa_off_cudnn_if_shapes_change): this shows what that saves.
 if (( RAGGED_CALLS > 0 )); then
     echo
     python - "$MICRO" "$RAGGED_CALLS" <<'EOF'

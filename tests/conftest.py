@@ -57,7 +57,7 @@ def _float32_matmul_precision_as_it_was():
 @pytest.fixture(autouse=True)
 def _cudnn_attention_as_it_was():
     """Trainer.build switches SDPA's cuDNN backend off, process-wide, on CUDA when the run's microbatches
-    change shape (ddptrain.models.attention.keep_sdpa_off_cudnn_if_shapes_change). Each test gets it
+    change shape (ddptrain.train.builder.keep_sdpa_off_cudnn_if_shapes_change). Each test gets it
     back as it found it."""
     import torch
 

@@ -349,13 +349,15 @@ def test_sdpa_keeps_off_cudnn_on_cuda_where_microbatches_change_shape(cudnn_sdp_
     """Unpacked rows of ragged documents are padded to each microbatch's longest: new shapes in every
     step, for which cuDNN's attention builds a plan each. Packed rows are all of one width. The flag
     is flipped on a CUDA device only (flipping it needs no GPU)."""
+    from ddptrain.train import builder
+
     batches = ragged_batches(pack, micro_tokens)
-    shapes = batches.shapes_of_steps(range(attention.SHAPE_SAMPLE_STEPS))
-    assert (len(shapes) > attention.FIXED_SHAPES) == changing, sorted(shapes)
-    assert not attention.keep_sdpa_off_cudnn_if_shapes_change(shapes, torch.device("cpu"))
+    shapes = {shape for step in range(builder.SHAPE_SAMPLE_STEPS) for shape in batches.global_shapes(step)}
+    assert (len(shapes) > builder.FIXED_SHAPES) == changing, sorted(shapes)
+    assert not builder.keep_sdpa_off_cudnn_if_shapes_change(batches, 100, torch.device("cpu"))
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with caplog.at_level("INFO", logger="ddptrain"):
-        assert attention.keep_sdpa_off_cudnn_if_shapes_change(shapes, torch.device("cuda")) == changing
+        assert builder.keep_sdpa_off_cudnn_if_shapes_change(batches, 100, torch.device("cuda")) == changing
     assert torch.backends.cuda.cudnn_sdp_enabled() != changing
     assert ("attention: SDPA without cuDNN: the first 16 steps' microbatches take "
             f"{len(shapes)} shapes" in caplog.text) == changing

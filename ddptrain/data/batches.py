@@ -151,10 +151,6 @@ class TrainBatches:
             return [(len(rows), max(width(row) for row in rows)) for micro in self.layout(step) for rows in micro]
         return [(len(ids), int(self._positions[ids].max())) for micro in self.layout(step) for ids in micro]
 
-    def shapes_of_steps(self, steps: range) -> set[tuple[int, int]]:
-        """The distinct (rows, padded width) of every rank's microbatches over `steps`."""
-        return {shape for step in steps for shape in self.global_shapes(step)}
-
     def microbatches(self, step: int) -> list:
         collate = self.examples.collate if self.conversation_rows is None else self.conversation_rows.collate
         return [collate(ids) for ids in self.microbatch_ids(step)]

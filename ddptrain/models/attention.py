@@ -233,37 +233,6 @@ def _gather(q, k, v, documents, scale, dropout, window):
     return rows.view(batch, seq, heads, dim)
 
 
-SHAPE_SAMPLE_STEPS = 16
-"""How many first steps' microbatch shapes `keep_sdpa_off_cudnn_if_shapes_change` looks at."""
-FIXED_SHAPES = 4
-"""At most this many distinct (rows, width) shapes in those steps: fixed-width rows (a full
-microbatch, a rank's shorter last one, evaluation's), whose cuDNN plans are built once."""
-
-
-def keep_sdpa_off_cudnn_if_shapes_change(shapes: set[tuple[int, int]], device: torch.device) -> bool:
-    """Switch SDPA's cuDNN backend off, process-wide, on CUDA when the run's microbatches change
-    shape (`shapes`: the distinct (rows, width) of the first SHAPE_SAMPLE_STEPS steps; more than
-    FIXED_SHAPES). True where it did.
-
-    Unpacked rows are padded to their microbatch's longest row, so on ragged data (paragraphs,
-    conversations, a token budget) nearly every microbatch brings a new shape. torch's cuDNN
-    attention keys its execution plans on exact sizes and builds one for every new shape; SDPA
-    picks cuDNN for causal attention on Hopper GPUs (it did for the gather's buckets on an H200,
-    torch 2.11: 2.4 s fwd+bwd for one fresh microbatch's 25 new shapes, 7-9 ms on FlashAttention).
-    Process-wide, not a context around the forward: it then holds for every SDPA call of the run
-    (the built-in GPT's unpacked rows, model=hf's sdpa, `_target_` models, evaluation), for
-    activation checkpointing's recompute in backward, and for graphs compiled later. Fixed-width
-    runs keep SDPA's own choice (torchtitan, whose rows never change shape, keeps cuDNN off on
-    GPUs before Blackwell anyway)."""
-    if device.type != "cuda" or len(shapes) <= FIXED_SHAPES:
-        return False
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    log.info("attention: SDPA without cuDNN: the first %d steps' microbatches take %d shapes, and cuDNN builds "
-             "an execution plan for every new shape (FlashAttention and the memory-efficient kernel build none)",
-             SHAPE_SAMPLE_STEPS, len(shapes))
-    return True
-
-
 def _without_cudnn(on_cuda: bool):
     """SDPA without its cuDNN backend for the gather's buckets, on CUDA. Their shapes change with
     every microbatch, and cuDNN builds a graph for each new shape: on an H200 (torch 2.11, where SDPA

@@ -193,6 +193,40 @@ def describe_layout(cfg, world_size: int) -> str:
     return f"{whole}, {packed}{budget}, world {world_size} (the number of microbatches varies by step and rank)"
 
 
+SHAPE_SAMPLE_STEPS = 16
+"""How many first steps' microbatch shapes `keep_sdpa_off_cudnn_if_shapes_change` looks at."""
+FIXED_SHAPES = 4
+"""At most this many distinct (rows, width) shapes in those steps: fixed-width rows (a full
+microbatch, a rank's shorter last one), whose cuDNN plans are built once."""
+
+
+def keep_sdpa_off_cudnn_if_shapes_change(batches: TrainBatches, max_steps: int, device: torch.device) -> bool:
+    """Switch SDPA's cuDNN backend off, process-wide, on CUDA when the run's microbatches change
+    shape: more than FIXED_SHAPES distinct (rows, width) over every rank in the first
+    SHAPE_SAMPLE_STEPS steps, counted from step 0 whatever step a resumed run starts at (the same
+    kernels either way). True where it did.
+
+    Unpacked rows are padded to their microbatch's longest row, so on ragged data (paragraphs,
+    conversations, a token budget) nearly every microbatch brings a new shape. torch's cuDNN
+    attention keys its execution plans on exact sizes and builds one for every new shape, and SDPA
+    picks cuDNN for causal attention on Hopper GPUs (as for the gather's buckets:
+    `attention._without_cudnn`). Process-wide, not a context around the forward: it then holds for
+    every SDPA call of the run (the built-in GPT's unpacked rows, model=hf's sdpa, `_target_` models,
+    evaluation), for activation checkpointing's recompute in backward, and for graphs compiled later.
+    Fixed-width runs keep SDPA's own choice (torchtitan, whose rows never change shape, keeps cuDNN
+    off on GPUs before Blackwell anyway)."""
+    if device.type != "cuda":
+        return False
+    shapes = {shape for step in range(min(SHAPE_SAMPLE_STEPS, max_steps)) for shape in batches.global_shapes(step)}
+    if len(shapes) <= FIXED_SHAPES:
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    log.info("attention: SDPA without cuDNN: the first %d steps' microbatches take %d shapes, and cuDNN builds "
+             "an execution plan for every new shape (FlashAttention and the memory-efficient kernel build none)",
+             SHAPE_SAMPLE_STEPS, len(shapes))
+    return True
+
+
 def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, precision: str | None = None,
           nonfinite: str | None = None, prepare: Callable[[nn.Module], None] | None = None) -> Built:
     """Everything a run needs, from a validated config. `device`, `precision` and `nonfinite`
@@ -203,9 +237,7 @@ def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, preci
     data = load_data(cfg, dist_info)
     batches = train_batches(cfg, data, dist_info)
     run_device = device or dist_info.device
-    if run_device.type == "cuda":  # from step 0, whatever step a resumed run starts at: the same kernels
-        first_steps = range(min(attention.SHAPE_SAMPLE_STEPS, cfg.trainer.max_steps))
-        attention.keep_sdpa_off_cudnn_if_shapes_change(batches.shapes_of_steps(first_steps), run_device)
+    keep_sdpa_off_cudnn_if_shapes_change(batches, cfg.trainer.max_steps, run_device)
     microbatches = batches.microbatches(0)  # a rank may hold none: the others check
     sample = microbatches[0][0] if microbatches else None
     if isinstance(sample, dict):  # packed rows: the contract is on token ids (the packing probe checks the rest)
