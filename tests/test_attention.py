@@ -10,7 +10,6 @@ flex's forward still runs (eagerly), which checks its document mask against the 
 
 from __future__ import annotations
 
-import copy
 import re
 import warnings
 
@@ -548,7 +547,7 @@ def test_a_sliding_window_model_computes_each_document_as_if_alone(tmp_path):
     batch, _ = packed_microbatch(rows=2, seed=3)
     model = hf_model(tmp_path, "mistral", sliding_window=4).eval()
     alone = hf_model(tmp_path, "mistral", sliding_window=4).eval()  # transformers' own sdpa and window mask
-    segments, ids, positions = batch["segments"], batch["idx"], batch["positions"]
+    segments, ids = batch["segments"], batch["idx"]
     with torch.no_grad():
         expected = torch.zeros(*ids.shape, VOCAB, dtype=torch.float64)
         for row in range(ids.size(0)):
