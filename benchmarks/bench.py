@@ -27,7 +27,7 @@ import ddptrain
 from ddptrain.data import TrainBatches, load_stdlib
 from ddptrain.distributed import barrier, get_rank, get_world_size, is_distributed
 from ddptrain.models import GPT, GPTConfig
-from ddptrain.engine.objective import IGNORE_INDEX
+from ddptrain.contract.targets import IGNORE_INDEX
 
 
 def hand_written_step(ddp_model, optimizer, microbatches, device, grad_clip: float) -> float:

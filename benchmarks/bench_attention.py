@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ddptrain.config.choices import attention_refusal
-from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.contract.boundaries import DocumentBoundaries
 from ddptrain.models import attention
 
 BACKENDS = ("mask", "gather", "varlen", "flex")

@@ -57,7 +57,7 @@ def _timed(fn) -> float:
 
 
 def _ranks(root: str, megabytes: int, rounds: int) -> dict:
-    from ddptrain.train import checkpoint as ckpt
+    from ddptrain.runs import store as ckpt
     from ddptrain.distributed import barrier, get_rank, get_world_size, is_rank_zero
     from ddptrain.fsutil import fsync_file, save_torch, sha256_file
 
@@ -109,7 +109,7 @@ def _stall(root: str, megabytes: int, rounds: int) -> dict:
     from ddptrain.distributed import all_ranks, barrier, get_rank, is_rank_zero
     from ddptrain.engine.engine import Engine
     from ddptrain.models.gpt import GPT, GPTConfig
-    from ddptrain.train import checkpoint as ckpt
+    from ddptrain.runs import store as ckpt
     from ddptrain.train.optim import build_optimizer
 
     vocab, width = 8192, 64

@@ -21,7 +21,7 @@ import ddptrain
 from ddptrain.data import load_stdlib
 from ddptrain.data.batches import TrainBatches
 from ddptrain.models import GPT, GPTConfig
-from ddptrain.engine.objective import IGNORE_INDEX
+from ddptrain.contract.targets import IGNORE_INDEX
 
 
 def layouts(args) -> dict[str, dict]:

@@ -10,7 +10,7 @@ Needs DeepSpeed for the zero rows. The `hsdp` row is fsdp with strategy.replicat
 world/2 shards: run with --world-size 4 for a 2x2 mesh).
 
 Beside each measured figure, `plan` is what `python -m ddptrain.plan` computes for the same model
-and layout (ddptrain/train/plan.py), and `act` the plan's activations of one microbatch beside the
+and layout (ddptrain/train/memory_plan.py), and `act` the plan's activations of one microbatch beside the
 bytes autograd saved on a real rank (saved-tensor hooks over the same forward).
 
 With `--lora-r R` (default 8; 0: none) every strategy also gets a `+lora` row: peft's LoRA of rank R
@@ -112,9 +112,9 @@ def _measure_all(rows: tuple[str, ...], n_layer: int, n_embd: int, seq_len: int,
 
 
 def _plan(row: str, args):
-    """The plan's figures for this row's model and strategy (ddptrain/train/plan.py), on the meta device."""
+    """The plan's figures for this row's model and strategy (ddptrain/train/memory_plan.py), on the meta device."""
     from ddptrain.models import GPT, GPTConfig
-    from ddptrain.train.plan import Layout, count_model, meta_device, plan_strategies
+    from ddptrain.train.memory_plan import Layout, count_model, meta_device, plan_strategies
 
     with meta_device():
         model = GPT(GPTConfig(vocab_size=256, max_seq_len=args.seq_len, n_layer=args.n_layer, n_head=4,

@@ -104,7 +104,7 @@ def hf_worker(args) -> None:
     import torch.distributed as dist
     import transformers
 
-    from ddptrain.engine.objective import IGNORE_INDEX
+    from ddptrain.contract.targets import IGNORE_INDEX
 
     torch.set_num_threads(args.threads)
     examples = training_examples(args)  # the same examples ddptrain trains on

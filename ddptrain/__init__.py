@@ -16,17 +16,18 @@ _EXPORTS = {
     "is_distributed": "ddptrain.distributed",
     "Engine": "ddptrain.engine.engine",
     "StepStats": "ddptrain.engine.stats",
-    "count_valid_tokens": "ddptrain.engine.objective",
+    "count_valid_tokens": "ddptrain.contract.targets",
     "token_loss_sum": "ddptrain.engine.objective",
-    "load_model": "ddptrain.train.final",
+    "load_model": "ddptrain.runs.weights",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names come from __getattr__
     from ddptrain.distributed import get_rank, get_world_size, init_distributed, is_distributed
     from ddptrain.engine.engine import Engine
-    from ddptrain.engine.objective import count_valid_tokens, token_loss_sum
+    from ddptrain.contract.targets import count_valid_tokens
+    from ddptrain.engine.objective import token_loss_sum
     from ddptrain.engine.stats import StepStats
-    from ddptrain.train.final import load_model
+    from ddptrain.runs.weights import load_model
 
 
 def __getattr__(name: str):

@@ -23,9 +23,9 @@ from ddptrain.distributed import (destroy_distributed, env_world_size, init_dist
                                   setup_logging)
 from ddptrain.models.spec import ModelError
 from ddptrain.train.builder import validate_run
-from ddptrain.train.checkpoint import CheckpointError
+from ddptrain.runs.store import CheckpointError
 from ddptrain.train.preemption import Preempted
-from ddptrain.train.rundir import RunDirError
+from ddptrain.runs.lock import RunDirError
 from ddptrain.train.trainer import Trainer
 
 

@@ -8,7 +8,7 @@ folded into its weights: a plain save_pretrained directory (other runs export th
 without `--merge`). The directory appears under its name only when complete.
 
 From a checkpoint (a run without final/ yet) the export holds what final/ would: the run's
-tokenizer files, chat template and generation_config.json's stop tokens (ddptrain.train.final)."""
+tokenizer files, chat template and generation_config.json's stop tokens (ddptrain.runs.weights)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from ddptrain.models import GPT, lora
 from ddptrain.models.adapters import GENERATION_CONFIG
 from ddptrain.models.hf import TOKENIZER_FILES
 from ddptrain.models.spec import ModelError
-from ddptrain.train.checkpoint import CheckpointError
-from ddptrain.train.final import (TrainedWeights, checkpoint_tokenizer_files, find_weights, load_trained,
+from ddptrain.runs.store import CheckpointError
+from ddptrain.runs.weights import (TrainedWeights, checkpoint_tokenizer_files, find_weights, load_trained,
                                   save_tokenizer_files)
 
 
@@ -38,7 +38,7 @@ def export(run_dir: str | Path, out_dir: str | Path, merge: bool = False,
     """Write the run's model (final weights, else the newest checkpoint's) to `out_dir`; return it.
     `merge`: a LoRA run's adapter folded into the base weights (else its adapter directory); a run
     that trained every weight exports the same with or without it. `weights`: the run's, where the
-    caller has found them already (ddptrain.train.final.find_weights), so they are read once."""
+    caller has found them already (ddptrain.runs.weights.find_weights), so they are read once."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     check_paths(run_dir, out_dir)
     weights = find_weights(run_dir) if weights is None else weights

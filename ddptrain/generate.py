@@ -1,6 +1,6 @@
-"""`python -m ddptrain.generate`: the command; generation is ddptrain.serving.generate."""
+"""`python -m ddptrain.generate`: the command; generation is ddptrain.serving.generation."""
 
-from ddptrain.serving.generate import main
+from ddptrain.serving.generation import main
 
 if __name__ == "__main__":
     main()

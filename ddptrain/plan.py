@@ -9,7 +9,7 @@ prints per strategy (ddp, zero1/2/3, fsdp, HSDP) the weights, gradients, optimiz
 activations of one microbatch, other buffers and the total per rank, each marked measured or
 computed; then each strategy's collectives per optimizer step with bytes on the wire (ring factors)
 and, given bandwidths, the time; with a device memory, what fits and the pick. How each figure is
-made: ddptrain/train/plan.py.
+made: ddptrain/train/memory_plan.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ddptrain.config.compose import compose_config
 from ddptrain.config.schema import ConfigError
 from ddptrain.distributed import env_world_size
 from ddptrain.train.builder import validate_run
-from ddptrain.train.plan import format_plan, parse_bytes, plan_for_config
+from ddptrain.train.memory_plan import format_plan, parse_bytes, plan_for_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,8 +43,9 @@ from ddptrain.data import DataError
 from ddptrain.distributed import destroy_distributed, env_world_size, init_distributed, is_rank_zero, setup_logging
 from ddptrain.engine.engine import AUTOCAST
 from ddptrain.engine.equivalence import disable_dropout, equivalence_caveats, log_equivalence_caveats
-from ddptrain.engine.objective import IGNORE_INDEX
-from ddptrain.models.spec import ModelError, logits_of
+from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.contract.outputs import logits_of
+from ddptrain.models.spec import ModelError
 from ddptrain.train import builder
 
 log = logging.getLogger(__name__)

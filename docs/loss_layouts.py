@@ -52,7 +52,8 @@ def run_naive(run_dir: Path, steps: int) -> None:
     from ddptrain.config import register_configs, validate
     from ddptrain.distributed import init_distributed, setup_logging
     from ddptrain.engine.engine import StepStats
-    from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
+    from ddptrain.contract.targets import IGNORE_INDEX
+    from ddptrain.engine.objective import token_loss_sum
     from ddptrain.train.trainer import Trainer
 
     setup_logging()

@@ -31,9 +31,9 @@ cd "$(dirname "$0")/.."
 marker=()
 export DDPTRAIN_STRESS_RUNS="${DDPTRAIN_STRESS_RUNS:-8}"  # 8 short 2-rank runs per strategy, two at a time
 [[ "${FAST:-0}" == 1 ]] && marker=(-m "not slow")
-exec python -m pytest -q "${marker[@]}" tests/test_healing.py tests/test_fingerprint.py tests/test_cache_checksums.py \
-    tests/test_contract.py tests/test_errors.py tests/test_safe_loading.py tests/test_teardown.py \
-    tests/test_server_access.py "tests/test_serve.py::test_every_bad_request_gets_a_400_naming_the_field_and_the_rule" \
-    "tests/test_serve.py::test_every_bad_chat_request_gets_a_400_naming_the_field_and_the_rule" \
-    "tests/test_serve.py::test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_not_fit" \
-    tests/test_stress.py
+exec python -m pytest -q "${marker[@]}" tests/runs/test_healing.py tests/runs/test_fingerprint.py tests/data/test_cache_checksums.py \
+    tests/models/test_output_contract.py tests/train/test_errors.py tests/runs/test_safe_loading.py tests/train/test_teardown.py \
+    tests/serving/test_server_access.py "tests/serving/test_serve.py::test_every_bad_request_gets_a_400_naming_the_field_and_the_rule" \
+    "tests/serving/test_serve.py::test_every_bad_chat_request_gets_a_400_naming_the_field_and_the_rule" \
+    "tests/serving/test_serve.py::test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_not_fit" \
+    tests/train/test_stress.py

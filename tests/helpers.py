@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddptrain.models import GPT, GPTConfig
-from ddptrain.engine.objective import IGNORE_INDEX
+from ddptrain.contract.targets import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 32

@@ -263,7 +263,7 @@ def drawn_modules() -> set[str]:
     The drawing is the fenced block whose first line is `ddptrain/`. An entry is a line whose first
     word ends in `.py` or `/`; its indentation (box-drawing characters count as indentation) says
     which folder holds it, so a folder's modules may be written by name (`checkpoint.py` under
-    `train/`) or by path (`train/checkpoint.py`). Other lines are descriptions.
+    `train/`) or by path (`runs/store.py`). Other lines are descriptions.
     """
     blocks = re.findall(r"^```\w*\n(ddptrain/[^\n]*\n.*?)^```", ARCHITECTURE_PAGE.read_text(), flags=re.S | re.M)
     assert blocks, f"{ARCHITECTURE_PAGE.name} has no tree drawing (a fenced block starting with a `ddptrain/` line)"

@@ -21,29 +21,29 @@ from tests.helpers import REPO, read_metrics
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 REPRO = ("not run: the torch-only reproduction of the join that hangs "
-         "(docs/slurm-and-docker.md); tests/test_elastic.py runs the fixed recipe")
+         "(docs/slurm-and-docker.md); tests/train/test_elastic.py runs the fixed recipe")
 
 # Every command in a ```bash block of README.md or docs/*.md (comments stripped): the test that runs
 # it (tests/FILE.py::TEST, with the sizes a test affords where the command trains for long), or why
 # no test runs it ("not run: ...").
 COMMANDS = {
     "pip install torch==2.13.0 && pip install -e . && python -m ddptrain":
-        "not run: installs packages and trains 200 steps; tests/test_models.py::"
+        "not run: installs packages and trains 200 steps; tests/models/test_models.py::"
         "test_rerunning_with_more_steps_resumes_bit_exactly_and_keeps_the_metrics runs the default command, shorter",
     'pip install torch==2.13.0 && pip install -e ".[test,deepspeed]" && python -m pytest --durations=15':
         "tests/test_readme.py::test_ci_runs_exactly_the_readme_test_command (it is .ci/run's command)",
     "torchrun --standalone --nproc_per_node=2 -m ddptrain batch.global_size=32 batch.micro_size=4":
-        "tests/test_cli.py::test_layouts_give_the_same_loss_curve",
+        "tests/train/test_cli.py::test_layouts_give_the_same_loss_curve",
     "python -m ddptrain data=text 'data.paths=[corpus/**/*.txt]' data.split_by=paragraph":
-        "tests/test_sources.py::test_text_on_two_ranks_builds_once_then_reuses_the_cache",
+        "tests/data/test_sources.py::test_text_on_two_ranks_builds_once_then_reuses_the_cache",
     "python -m ddptrain data=jsonl 'data.paths=[shards/*.jsonl]' data.field=text data.tokenizer=tokenizer.json":
-        "tests/test_sources.py::test_each_source_trains_through_the_cli",
+        "tests/data/test_sources.py::test_each_source_trains_through_the_cli",
     "python -m ddptrain data=tokens 'data.paths=[train.bin]' 'data.val_paths=[val.bin]' data.eod_token=50256 "
-    "data.vocab_size=50304": "tests/test_sources.py::test_each_source_trains_through_the_cli",
+    "data.vocab_size=50304": "tests/data/test_sources.py::test_each_source_trains_through_the_cli",
     "python -m ddptrain data=hf 'data.paths=[my_saved_dataset]' data.field=text":
-        "tests/test_sources.py::test_each_source_trains_through_the_cli",
+        "tests/data/test_sources.py::test_each_source_trains_through_the_cli",
     "python -m ddptrain model=hf model.path=my_model data=sft 'data.paths=[chats.jsonl]'":
-        "tests/test_sft.py::test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume",
+        "tests/data/test_sft.py::test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume",
     "python -m ddptrain model=custom model._target_=my_models.build +model.width=96 run.dir=runs/mine "
     "trainer.max_steps=20 optim.decay_steps=40": "tests/test_readme.py::test_own_model_example_runs_as_written",
     "python -m ddptrain model=custom model._target_=my_models.build +model.width=96 run.dir=runs/mine "
@@ -51,11 +51,11 @@ COMMANDS = {
     "python -c \"import ddptrain; print(ddptrain.load_model('runs/mine'))\"":
         "tests/test_readme.py::test_own_model_example_runs_as_written",
     "python -m ddptrain.export runs/default exported/":
-        "tests/test_export.py::test_exported_run_matches_load_model_end_to_end",
+        "tests/commands/test_export.py::test_exported_run_matches_load_model_end_to_end",
     "python -m ddptrain model=hf model.path=my_model model.lora.r=16 data=sft 'data.paths=[chats.jsonl]'":
-        "tests/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
+        "tests/models/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
     "python -m ddptrain.export runs/default merged/ --merge":
-        "tests/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
+        "tests/models/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
     "python -m benchmarks.bench": "tests/test_benchmarks.py::test_engine_throughput_benchmark_runs_on_two_ranks",
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
@@ -78,7 +78,7 @@ COMMANDS = {
     "python -m ddptrain.plan --world-size 16 --ranks-per-node 8 --device-memory 80GiB --bandwidth 200GB/s "
     "--inter-node-bandwidth 25GB/s model.n_layer=12 model.n_head=12 model.n_embd=768 data.vocab_size=50304 "
     "batch.seq_len=1024 batch.global_size=256 batch.micro_size=8":
-        "tests/test_plan.py::test_the_plan_of_gpt2_small_and_a_1b_llama_prints_in_seconds_without_allocating_weights",
+        "tests/train/test_memory_plan.py::test_the_plan_of_gpt2_small_and_a_1b_llama_prints_in_seconds_without_allocating_weights",
     "python -m benchmarks.bench_checkpoint --mb 200 --rounds 3":
         "tests/test_benchmarks.py::test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save",
     "python -m benchmarks.bench_peer --seq-len 1024":
@@ -99,24 +99,24 @@ COMMANDS = {
         "tests/test_benchmarks.py::test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl",
     "pip install 'ddptrain[plot]'": "not run: installs a package (the test extra includes matplotlib)",
     "python -m ddptrain.plot runs/a runs/b -o loss.png --labels A B":
-        "tests/test_observability.py::test_plot_command_draws_one_line_per_run",
+        "tests/train/test_observability.py::test_plot_command_draws_one_line_per_run",
     "python docs/loss_layouts.py": "not run: trains four 60-step runs (minutes) to redraw docs/loss_layouts.png",
     "sbatch --gpus-per-node=8 launch/single_node.sbatch trainer.max_steps=1000 strategy=zero2":
-        "not run: needs GPU nodes; tests/test_slurm.py submits the same template to CPU nodes",
+        "not run: needs GPU nodes; tests/system/test_slurm.py submits the same template to CPU nodes",
     "sbatch --nodes=4 --gpus-per-node=8 launch/multi_node.sbatch trainer.max_steps=1000 strategy=zero2":
-        "not run: needs 4 GPU nodes; tests/test_slurm.py submits the same template to 2 CPU nodes",
-    "sudo bash launch/local_cluster.sh": "tests/test_slurm.py::test_cluster_runs_a_job_on_both_nodes",
+        "not run: needs 4 GPU nodes; tests/system/test_slurm.py submits the same template to 2 CPU nodes",
+    "sudo bash launch/local_cluster.sh": "tests/system/test_slurm.py::test_cluster_runs_a_job_on_both_nodes",
     "DDPTRAIN_NPROC_PER_NODE=2 sbatch --wait launch/single_node.sbatch trainer.max_steps=50":
-        "tests/test_slurm.py::test_template_trains_to_max_steps",
+        "tests/system/test_slurm.py::test_template_trains_to_max_steps",
     "sbatch --wait launch/multi_node.sbatch trainer.max_steps=50":
-        "tests/test_slurm.py::test_template_trains_to_max_steps",
-    "sudo bash launch/local_cluster.sh stop": "tests/test_slurm.py::test_cluster_runs_a_job_on_both_nodes",
+        "tests/system/test_slurm.py::test_template_trains_to_max_steps",
+    "sudo bash launch/local_cluster.sh stop": "tests/system/test_slurm.py::test_cluster_runs_a_job_on_both_nodes",
     "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1":
-        "tests/test_elastic.py::test_a_node_lost_then_one_joining_keep_the_straight_runs_curve",
+        "tests/train/test_elastic.py::test_a_node_lost_then_one_joining_keep_the_straight_runs_curve",
     "torchrun --nnodes=1:2 --nproc-per-node=8 --max-restarts=3 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29400 "
     "--rdzv-id=myrun --rdzv-conf=last_call_timeout=30,join_timeout=600 -m ddptrain run.dir=/shared/runs/myrun "
     "checkpoint.every=50 trainer.max_steps=10000":
-        "tests/test_elastic.py::test_a_node_lost_then_one_joining_keep_the_straight_runs_curve (1 CPU rank per "
+        "tests/train/test_elastic.py::test_a_node_lost_then_one_joining_keep_the_straight_runs_curve (1 CPU rank per "
         "agent, two agents on this machine)",
     "run() { torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d "
     "--rdzv-endpoint=127.0.0.1:29611 --rdzv-id=t1 --rdzv-conf=last_call_timeout=2 ar.py; }": REPRO,
@@ -125,44 +125,44 @@ COMMANDS = {
     "setsid bash -c run & B=$!": REPRO,
     "sleep 12; kill -9 -- -$B": REPRO,
     "sleep 14; bash -c run": REPRO,
-    "docker build -f docker/Dockerfile -t ddptrain .": "tests/test_docker.py::test_image_builds_and_trains",
+    "docker build -f docker/Dockerfile -t ddptrain .": "tests/system/test_docker.py::test_image_builds_and_trains",
     'docker run --rm --gpus all --ipc=host -v "$PWD/runs:/workspace/runs" ddptrain run.dir=runs/demo '
     "trainer.max_steps=1000 strategy=zero2":
-        "not run: needs GPUs; tests/test_docker.py::test_image_builds_and_trains runs the image on 2 CPU ranks",
+        "not run: needs GPUs; tests/system/test_docker.py::test_image_builds_and_trains runs the image on 2 CPU ranks",
     "pip install 'ddptrain[deepspeed]'": "not run: installs a package (the README's test command does)",
     "torchrun --standalone --nproc_per_node=8 -m ddptrain strategy=zero2":
-        "not run: 8 ranks; tests/test_zero.py::test_zero_loss_curve_matches_ddp runs zero1/2/3 on 2 ranks",
-    "python -m ddptrain strategy=zero1": "tests/test_zero.py::test_zero2_one_rank_accumulation_4_equals_two_ranks_"
+        "not run: 8 ranks; tests/strategies/test_zero.py::test_zero_loss_curve_matches_ddp runs zero1/2/3 on 2 ranks",
+    "python -m ddptrain strategy=zero1": "tests/strategies/test_zero.py::test_zero2_one_rank_accumulation_4_equals_two_ranks_"
                                          "accumulation_2 (a world of one under DeepSpeed)",
     "torchrun --standalone --nproc_per_node=8 -m ddptrain strategy=zero3 "
     "++strategy.deepspeed.zero_optimization.reduce_bucket_size=50000000 "
     "++strategy.deepspeed.zero_optimization.offload_optimizer.device=cpu "
     "++strategy.deepspeed.zero_force_ds_cpu_optimizer=false":
-        "not run: 8 ranks with CPU offload; tests/test_zero.py::test_deepspeed_config_is_derived_and_checked "
+        "not run: 8 ranks with CPU offload; tests/strategies/test_zero.py::test_deepspeed_config_is_derived_and_checked "
         "checks how strategy.deepspeed keys merge",
     "python -m torch.distributed.checkpoint.format_utils dcp_to_torch ckpt full.pt":
-        "tests/test_zero.py::test_zero_checkpoint_converts_to_the_model_state_dict",
-    "pip install 'ddptrain[serve]'": "not run: installs packages (the test extra has what tests/test_serve.py needs)",
+        "tests/strategies/test_zero.py::test_zero_checkpoint_converts_to_the_model_state_dict",
+    "pip install 'ddptrain[serve]'": "not run: installs packages (the test extra has what tests/serving/test_serve.py needs)",
     "python -m ddptrain trainer.max_steps=2000 run.dir=runs/code":
-        "not run: trains 2000 steps; tests/test_serve.py trains a short run to serve",
-    "python -m ddptrain.serve runs/code --port 8000": "tests/test_serve.py::test_serve_cli_serves_a_run_directory",
+        "not run: trains 2000 steps; tests/serving/test_serve.py trains a short run to serve",
+    "python -m ddptrain.serve runs/code --port 8000": "tests/serving/test_serve.py::test_serve_cli_serves_a_run_directory",
     "curl -s localhost:8000/v1/completions -H 'content-type: application/json' "
     "-d '{\"prompt\": \"def main(\", \"max_tokens\": 64, \"temperature\": 0}'":
-        "tests/test_serve.py::test_serve_cli_serves_a_run_directory (the same request, through httpx)",
+        "tests/serving/test_serve.py::test_serve_cli_serves_a_run_directory (the same request, through httpx)",
     "python -m ddptrain.serve runs/chat --port 8000":
-        "tests/test_serve.py::test_serve_cli_answers_chat_with_the_models_template (a directory with a chat template)",
+        "tests/serving/test_serve.py::test_serve_cli_answers_chat_with_the_models_template (a directory with a chat template)",
     "curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' "
     "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"def main(\"}], \"max_tokens\": 64, "
     "\"temperature\": 0}'":
-        "tests/test_serve.py::test_serve_cli_answers_chat_with_the_models_template (the same request, through httpx)",
+        "tests/serving/test_serve.py::test_serve_cli_answers_chat_with_the_models_template (the same request, through httpx)",
     'python -m ddptrain.generate runs/code --prompt "def main(" --prompt "import os" --temperature 0 '
     "--max-tokens 80":
-        "tests/test_serve.py::test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_not_fit",
-    "python -m ddptrain.verify batch.micro_size=2": "tests/test_verify.py::test_cli_exit_codes_say_agree_differ_or_bad_config",
+        "tests/serving/test_serve.py::test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_not_fit",
+    "python -m ddptrain.verify batch.micro_size=2": "tests/commands/test_verify.py::test_cli_exit_codes_say_agree_differ_or_bad_config",
     "torchrun --standalone --nproc_per_node=2 -m ddptrain.verify batch.micro_size=2":
-        "tests/test_verify.py::test_cli_under_torchrun_prints_one_report_that_agrees",
+        "tests/commands/test_verify.py::test_cli_under_torchrun_prints_one_report_that_agrees",
     "python -m ddptrain.verify batch.micro_tokens=4096 model=hf model.path=/models/llama-tiny":
-        "not run: needs a local model directory; tests/test_verify.py verifies token budgets on the built-in GPT",
+        "not run: needs a local model directory; tests/commands/test_verify.py verifies token budgets on the built-in GPT",
 }
 
 COMMAND_WORDS = ("python", "torchrun", "pip", "sbatch", "sudo", "docker", "bash")
@@ -262,11 +262,11 @@ UNTESTED = {
         "--labels": "the CLI run passes no --labels; the test passes labels to make_figure() in-process",
     },
     "DDPTRAIN_NPROC_PER_NODE=2 sbatch --wait launch/single_node.sbatch trainer.max_steps=50": {
-        "--wait": "the test polls `scontrol show job` (faster, see tests/test_slurm.py's docstring); the bad-override "
+        "--wait": "the test polls `scontrol show job` (faster, see tests/system/test_slurm.py's docstring); the bad-override "
                   "tests use sbatch --wait",
     },
     "sbatch --wait launch/multi_node.sbatch trainer.max_steps=50": {
-        "--wait": "the test polls `scontrol show job` (faster, see tests/test_slurm.py's docstring)",
+        "--wait": "the test polls `scontrol show job` (faster, see tests/system/test_slurm.py's docstring)",
     },
     "python -m ddptrain strategy=zero1": {
         "strategy=zero1": "the named test runs strategy=zero2 in a world of one (zero1 runs on 2 ranks in "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ddptrain.data.batches import TrainBatches
 from ddptrain.data.corpus import load_splits
 from ddptrain.data.dataset import DataSplits, TokenExamples
-from ddptrain.data.plan import GlobalBatchPlan
+from ddptrain.data.global_batch import GlobalBatchPlan
 from ddptrain.data.sources import DataError
 from ddptrain.data.stdlib import load_stdlib
 from ddptrain.data.tokenizer import ByteTokenizer

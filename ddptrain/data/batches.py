@@ -29,7 +29,7 @@ import numpy as np
 
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.data.packing import ConversationRows, PackedExamples
-from ddptrain.data.plan import GlobalBatchPlan, rank_share, split_micro
+from ddptrain.data.global_batch import GlobalBatchPlan, rank_share, split_micro
 
 
 def balanced_shares(ids: np.ndarray, tokens: np.ndarray, world_size: int,

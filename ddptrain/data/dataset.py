@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ddptrain.data.sources import DataError
-from ddptrain.engine.objective import IGNORE_INDEX
+from ddptrain.contract.targets import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class DataSplits:
     val: TokenExamples
     vocab_size: int
     fingerprint: dict = field(default_factory=dict)
-    """What defines the corpus, for the resume check (ddptrain/train/fingerprint.py): the sources
+    """What defines the corpus, for the resume check (ddptrain/runs/fingerprint.py): the sources
     (names relative to their common directory, sizes, mtimes), the tokenizer's hash, the document and
     valid-target counts of the training split."""
 

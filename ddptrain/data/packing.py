@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from ddptrain.data.dataset import TokenExamples
-from ddptrain.engine.objective import IGNORE_INDEX
-from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.contract.boundaries import DocumentBoundaries
 
 
 @dataclass
@@ -105,7 +105,7 @@ class PackedExamples:
 def packed_batch(inputs: np.ndarray, positions: np.ndarray, segments: np.ndarray) -> dict:
     """The model's keyword arguments for packed rows: idx, positions, segments (B, T), and the
     document boundaries (offsets, the longest length, the gather plan) computed here, on the host,
-    once per microbatch (ddptrain/data/boundaries.py)."""
+    once per microbatch (ddptrain/contract/boundaries.py)."""
     documents = DocumentBoundaries.from_segments(segments)
     return {"idx": torch.from_numpy(inputs), "positions": torch.from_numpy(positions),
             "segments": documents.segments, "documents": documents}

@@ -22,8 +22,9 @@ from torch import nn
 from ddptrain.config.choices import PRECISIONS, STEP_POLICIES
 from ddptrain.distributed import any_rank, get_rank, get_world_size, init_distributed, is_distributed
 from ddptrain.engine.loss_scale import DynamicLossScale
-from ddptrain.models.spec import logits_of
-from ddptrain.engine.objective import IGNORE_INDEX, Objective
+from ddptrain.contract.outputs import logits_of
+from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.engine.objective import Objective
 from ddptrain.engine.stats import PhaseClock, StepStats
 from ddptrain.strategies import Strategy, build_strategy
 

@@ -15,13 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-
-
-def count_valid_tokens(targets: torch.Tensor) -> int:
-    """Number of targets that take part in the loss (those not equal to -100)."""
-    return int((targets != IGNORE_INDEX).sum().item())
-
+from ddptrain.contract.targets import IGNORE_INDEX
 
 def _flat_logits(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) -> (M, V), in at least float32 so that bf16/fp16 logits do not lose the small terms."""

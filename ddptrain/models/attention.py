@@ -1,7 +1,7 @@
 """Attention for packed rows: each document attends to itself alone, from its boundaries.
 
 Collation (ddptrain/data/packing.py) turns a microbatch's segment ids into `DocumentBoundaries`
-(ddptrain/data/boundaries.py) once, on the host: cu_seqlens-style offsets of every document in the
+(ddptrain/contract/boundaries.py) once, on the host: cu_seqlens-style offsets of every document in the
 flattened (B * T) rows, the longest document's length as a host int (so no kernel launch waits on
 `.item()`), and the gather plan. Nothing here builds a T x T tensor unless the `mask` backend is
 asked for. Every run of equal segment ids in a row is a document, the row's padding included:
@@ -14,7 +14,7 @@ Backends (`trainer.attention`, picked at start-up by `select_backend`):
   through plain causal SDPA, no mask (so flash or efficient kernels on CUDA), then put back. The
   buckets (each padded to its longest document, at most twice its shortest; documents of up to 16
   tokens may share one; the cheapest such plan under a cost model of causal attention) bound the
-  buffer (ddptrain/data/boundaries.py) and make one SDPA call each. A
+  buffer (ddptrain/contract/boundaries.py) and make one SDPA call each. A
   document padded at its end never lets a real token see the padding (causal), so no mask is
   needed. The gather is one permutation with padding, and so is its backward: index_select both
   ways, never index_select's scatter-add backward (slow on CPU); the buckets are one split of the
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ddptrain.config.choices import ATTENTION_BACKENDS, attention_refusal
-from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.contract.boundaries import DocumentBoundaries
 from ddptrain.models.spec import ModelError
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from torch import nn
 
 from ddptrain.models.adapters import adapter_for, adapter_of, resolve_target
-from ddptrain.models.spec import (ModelError, ModelSpec, accepts_packed_rows, logits_of, num_parameters,
-                                  tied_parameters)
+from ddptrain.contract.outputs import logits_of
+from ddptrain.models.spec import ModelError, ModelSpec, accepts_packed_rows, num_parameters, tied_parameters
 
 __all__ = ["ModelError", "ModelSpec", "accepts_packed_rows", "build_model", "logits_of", "num_parameters",
            "rebuild_model", "resolve_target", "tied_parameters"]

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from ddptrain.models.blocks import transformer_blocks
+from ddptrain.contract.blocks import transformer_blocks
 
 
 def compile_model(module: nn.Module) -> nn.Module:
-    """torch.compile each of `module`'s transformer blocks (ddptrain.models.blocks) in place, the
+    """torch.compile each of `module`'s transformer blocks (ddptrain.contract.blocks) in place, the
     whole module when it has none; returns `module`. Costs nothing until the first forward (see the
     module docstring)."""
     for part in transformer_blocks(module) or [module]:

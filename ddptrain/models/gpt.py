@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.contract.boundaries import DocumentBoundaries
 from ddptrain.models import attention
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.contract.boundaries import DocumentBoundaries
 from ddptrain.models import attention
 from ddptrain.models.kernel_check import HeadLayout, TokenMajor
 from ddptrain.models.spec import ModelError

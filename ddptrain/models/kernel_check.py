@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ddptrain.config.choices import PRECISION_DTYPES
-from ddptrain.data.boundaries import DocumentBoundaries
+from ddptrain.contract.boundaries import DocumentBoundaries
 from ddptrain.models import attention
 
 CHECKED_BACKENDS = ("gather", "varlen", "flex")

@@ -5,7 +5,7 @@ The contract (the same for every kind of model): `model(inputs)` maps token ids 
 ModelOutput). ddptrain's data already pairs each input with its next-token target, so nothing
 shifts labels and no extra (B, T, V) copy is made. Packed rows arrive as keyword arguments
 `idx`, `positions` (restarting at 0 per document), `segments` (a document id per token) and
-`documents` (their DocumentBoundaries, ddptrain/data/boundaries.py: given only to a forward that
+`documents` (their DocumentBoundaries, ddptrain/contract/boundaries.py: given only to a forward that
 takes it); a model that takes them must keep attention inside each document.
 
 `ModelSpec` records what rebuilds the model (kind, config, vocabulary, context length, tied
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
 import torch
 from torch import nn
+
+from ddptrain.contract.outputs import logits_of
 
 
 class ModelError(ValueError):
@@ -87,11 +87,6 @@ def accepts_packed_rows(module: nn.Module) -> bool:
 def num_parameters(module: nn.Module) -> int:
     """Distinct parameters (tied ones once)."""
     return sum(p.numel() for p in module.parameters())
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """The model contract: logits, or an object with `.logits` (a transformers ModelOutput)."""
-    return output if isinstance(output, torch.Tensor) else output.logits
 
 
 CONTRACT_TOKENS = 16

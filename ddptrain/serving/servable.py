@@ -103,7 +103,7 @@ def _source_stamp(weights) -> dict:
     weights' marker, a LoRA run's base files, a checkpoint's tokenizer files). A copy that kept the
     mtimes (cp -p, rsync -a) of other contents is not the same source."""
     from ddptrain.fsutil import sha256_file
-    from ddptrain.train.final import source_files
+    from ddptrain.runs.weights import source_files
 
     files = {str(file.resolve()): [file.stat().st_size, sha256_file(file)] for file in source_files(weights)}
     return {"source": str(weights.directory.resolve()), "files": files}
@@ -112,8 +112,8 @@ def _source_stamp(weights) -> dict:
 def _from_run(run_dir: Path) -> Path:
     from ddptrain.export import ExportError, export
     from ddptrain.models.spec import ModelError
-    from ddptrain.train.checkpoint import CheckpointError
-    from ddptrain.train.final import find_weights
+    from ddptrain.runs.store import CheckpointError
+    from ddptrain.runs.weights import find_weights
 
     out = run_dir / SERVABLE
     try:

@@ -5,7 +5,7 @@
     GET  /health               200 {"status": "ok", ...} while the decoding loop runs, else 503
     GET  /v1/models            the one model served
 
-The decoding loop is transformers' continuous batching (ddptrain.serving.generate.Generator) and the HTTP
+The decoding loop is transformers' continuous batching (ddptrain.serving.generation.Generator) and the HTTP
 stack is the one `transformers serve` uses (FastAPI on uvicorn, the `transformers[serving]`
 extra); transformers' own server is not used because, with --continuous-batching, it keeps the
 first request's temperature and top_p for every later request, ignores `stop`, answers
@@ -14,7 +14,7 @@ max_tokens=-1 with 200, a prompt longer than the context with 500 and malformed 
 checked (a 400 names the field and the rule), sampling is per request, at most max_active +
 max_queue requests are in flight (more get 429), and a request whose client disconnects stops
 decoding at the next iteration. Both endpoints share the rules, the queue and the batch; they differ
-in the prompt (text, or messages through ddptrain.serving.chat) and the objects they answer with.
+in the prompt (text, or messages through ddptrain.serving.messages) and the objects they answer with.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route's `request: Request` annotation at
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from ddptrain.serving.access import API_KEY_ENV, AccessError, RequireApiKey, describe_access, resolve_api_key
-from ddptrain.serving.chat import RENDERED, ChatBodies, ChatTemplate, check_messages
-from ddptrain.serving.generate import (Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams,
+from ddptrain.serving.messages import RENDERED, ChatBodies, ChatTemplate, check_messages
+from ddptrain.serving.generation import (Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams,
                                        quiet_transformers)
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ divides the loss by gradient_accumulation_steps, and ZeRO AVERAGES gradients ove
 data-parallel ranks (stage 1/2 `average_tensor` / `gradient_reduction_w_predivide`, stage 3
 `__avg_scatter_*`: net division by the world size whatever gradient_predivide_factor and
 prescale_gradients say). The Engine already hands `backward` the pieces `sum_token_loss / N_t`,
-so this strategy undoes both (tests/test_zero.py measures it):
+so this strategy undoes both (tests/strategies/test_zero.py measures it):
 
 - `engine.backward(loss, scale_wrt_gas=False)`: no 1/GAS. engine.backward also marks the loss's
   graph, so the output hooks that scale direct `loss.backward()` calls by 1/GAS stay out.

@@ -40,14 +40,14 @@ from torch.distributed.tensor import DTensor
 from ddptrain.config.choices import FSDPOptions
 from ddptrain.config.schema import ConfigError
 from ddptrain.distributed import backend_for, device_mesh, get_world_size, is_distributed, replicate_degree
-from ddptrain.models.blocks import block_class_names
+from ddptrain.contract.blocks import block_class_names
 from ddptrain.strategies.base import StepLayout, Strategy
 
 log = logging.getLogger(__name__)
 
 
 def default_shard_modules(model: nn.Module) -> set[str]:
-    """Class names of the transformer blocks (ddptrain.models.blocks: the built-in GPT's Block, a
+    """Class names of the transformer blocks (ddptrain.contract.blocks: the built-in GPT's Block, a
     transformers model's decoder layers); each block is one shard unit."""
     return block_class_names(model)
 

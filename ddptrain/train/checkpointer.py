@@ -1,8 +1,8 @@
 """The run directory's component: its lock, its config and log files, resume, checkpoints on their
 schedule, and the final weights.
 
-The checkpoint format (markers, hashes, RNG per rank, purging) is ddptrain/train/checkpoint.py;
-what may change on resume is ddptrain/train/resume.py; final/ is ddptrain/train/final.py. This
+The checkpoint format (markers, hashes, RNG per rank, purging) is ddptrain/runs/store.py;
+what may change on resume is ddptrain/runs/resume.py; final/ is ddptrain/runs/weights.py. This
 class decides when they run and keeps every rank in step with rank 0.
 """
 
@@ -24,13 +24,13 @@ from ddptrain.engine.engine import Engine
 from ddptrain.fsutil import describe_write_error, sha256_file
 from ddptrain.models.adapters import ModelAdapter
 from ddptrain.models.spec import ModelSpec
-from ddptrain.train import checkpoint as ckpt
+from ddptrain.runs import store as ckpt
 from ddptrain.train.builder import decay_steps
 from ddptrain.train.faults import FaultInjector
-from ddptrain.train.final import SPEC_FILE, final_dir, save_final, verify_final
-from ddptrain.train.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, log_applied,
+from ddptrain.runs.weights import SPEC_FILE, final_dir, save_final, verify_final
+from ddptrain.runs.resume import (SCHEDULE_KEYS, check_base_weights, check_config, defaults_of, log_applied,
                                    model_defaults, reset_learning_rate)
-from ddptrain.train.rundir import (RunDirError, RunDirLock, RunDirLocked, move_abandoned_aside,
+from ddptrain.runs.lock import (RunDirError, RunDirLock, RunDirLocked, move_abandoned_aside,
                                    move_previous_run_aside)
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,11 @@ import torch
 
 from ddptrain.data.batches import budget_microbatches
 from ddptrain.data.dataset import TokenExamples
-from ddptrain.data.plan import split_micro
+from ddptrain.data.global_batch import split_micro
 from ddptrain.distributed import DistInfo, all_reduce_sum
 from ddptrain.engine.engine import Engine
-from ddptrain.engine.objective import IGNORE_INDEX, token_loss_sum
+from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.engine.objective import token_loss_sum
 
 log = logging.getLogger(__name__)
 

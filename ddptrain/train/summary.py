@@ -12,7 +12,7 @@ from ddptrain.distributed import DistInfo, is_rank_zero
 from ddptrain.models.spec import num_parameters
 from ddptrain.train.builder import Built, describe_layout
 from ddptrain.train.metrics import MetricsLogger
-from ddptrain.train.plan import format_plan, plan_for_config
+from ddptrain.train.memory_plan import format_plan, plan_for_config
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ddptrain.train import builder
 from ddptrain.train.checkpointer import Checkpointer
 from ddptrain.train.evaluator import Evaluator
 from ddptrain.train.faults import FaultInjector
-from ddptrain.train.fingerprint import check_fingerprint, run_fingerprint
+from ddptrain.runs.fingerprint import check_fingerprint, run_fingerprint
 from ddptrain.train.flops import ModelFlops, device_peak_flops
 from ddptrain.train.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
 from ddptrain.train.preemption import Preempted, PreemptionWatcher
@@ -256,7 +256,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "model_spec": self.built.spec.to_dict(),
-            "fingerprint": self.fingerprint,  # compared on resume (ddptrain/train/fingerprint.py)
+            "fingerprint": self.fingerprint,  # compared on resume (ddptrain/runs/fingerprint.py)
         }
 
     # -- close ---------------------------------------------------------------------------------

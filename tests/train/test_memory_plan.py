@@ -1,0 +1,156 @@
+"""The memory plan: it runs for real model shapes on the meta device without allocating them, and
+its collective payloads per step are the ones real gloo ranks send (FSDP's own calls included)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import ddptrain
+from ddptrain.testing import record_collectives, run_distributed
+from ddptrain.train.memory_plan import Layout, count_model, formula_activation_bytes, meta_device, parse_bytes, plan_strategies
+from ddptrain.models import GPT, GPTConfig
+from tests.helpers import REPO, SEQ, VOCAB, microbatch, tiny_gpt
+
+GPT2_SMALL = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "data.vocab_size=50304",
+              "batch.seq_len=1024", "batch.global_size=64", "batch.micro_size=4"]
+LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "tie_word_embeddings": True,
+            "hidden_act": "silu"}
+
+
+def _plan_cli(args: list[str]) -> tuple[subprocess.CompletedProcess, float, int]:
+    """`python -m ddptrain.plan ARGS`: its output, seconds and peak resident memory (bytes)."""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "ddptrain.plan", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far (Linux: KiB)
+    return result, time.monotonic() - started, peak
+
+
+@pytest.mark.slow
+def test_the_plan_of_gpt2_small_and_a_1b_llama_prints_in_seconds_without_allocating_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
+    cases = {"124,373,760 parameters": ["--world-size", "16", "--ranks-per-node", "8", "--device-memory", "80GiB",
+                                        *GPT2_SMALL],
+             "1,235,814,400 parameters": ["--world-size", "16", "--ranks-per-node", "8", "--device-memory", "24GiB",
+                                          "--bandwidth", "200GB/s", "--inter-node-bandwidth", "25GB/s", "model=hf",
+                                          f"model.path={tmp_path}", "data.vocab_size=128256", "data.tokenizer=byte",
+                                          "batch.seq_len=2048", "batch.global_size=32", "batch.micro_size=1",
+                                          "trainer.precision=bf16", "trainer.activation_checkpointing=true"]}
+    for expected, args in cases.items():
+        result, seconds, peak = _plan_cli(args)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out = result.stdout
+        assert expected in out and "hsdp 2x8" in out and "pick: " in out, out
+        for name in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+            assert f"\n{name} " in out, name
+        assert "inter-node" in out and "2(n-1)/n" in out
+        assert seconds < 60, seconds
+        # fp32 weights alone would be 0.5 GB (GPT-2 small) and 4.9 GB (1B): none were allocated
+        assert peak < 1.5e9, peak
+
+
+def test_measured_activations_follow_checkpointing_and_precision():
+    def counts(precision: str, checkpointed: bool):
+        from ddptrain.models.adapters import GPTAdapter
+
+        with meta_device():
+            model = tiny_gpt(torch.float32)
+        if checkpointed:
+            GPTAdapter().enable_activation_checkpointing(model)
+        return count_model(model, {"Block"}, 4, SEQ, precision, VOCAB).activations
+
+    plain, checkpointed, bf16 = counts("fp32", False), counts("fp32", True), counts("bf16", False)
+    assert plain.how == checkpointed.how == bf16.how == "measured"
+    assert 0 < checkpointed.bytes < plain.bytes and 0 < bf16.bytes < plain.bytes
+    with meta_device():  # the formula, where the meta forward cannot run; 4 blocks, one recomputed at a time
+        model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=4, n_head=2, n_embd=16))
+    assert 0 < formula_activation_bytes(model, 4, SEQ, "fp32", VOCAB, checkpointed=True) < \
+        formula_activation_bytes(model, 4, SEQ, "fp32", VOCAB)
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("50GB/s") == 50e9
+
+
+# -- payloads against real gloo ranks -------------------------------------------------------------
+
+CASES = [("ddp", 1, 1), ("ddp", 1, 4), ("fsdp", 1, 1), ("fsdp", 1, 4), ("fsdp", 2, 1), ("fsdp", 2, 4)]
+"""(strategy, replicas, microbatches per rank): fsdp with 2 replicas is HSDP 2x2."""
+
+
+def _recorded_payloads() -> list[dict]:
+    out = []
+    for strategy, replicate, accumulation in CASES:
+        model = tiny_gpt(torch.float64)
+        options = {"replicate": replicate} if strategy == "fsdp" else None
+        engine = ddptrain.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy, precision="fp64",
+                                 strategy_options=options)
+        microbatches = [microbatch(2, [SEQ, 5], seed) for seed in range(accumulation)]
+        with record_collectives() as calls:
+            engine.step(microbatches)
+        out.append(_by_kind(calls))
+    return out
+
+
+def _by_kind(calls: list[dict]) -> dict:
+    """Bytes per (collective kind, ranks) over one step, leaving out the Engine's scalars (token
+    counts, loss, norm: a few bytes each)."""
+    totals: dict = {}
+    for call in calls:
+        if call["bytes"] > 64:
+            kind = call["name"].replace("_into_tensor", "").replace("_single", "").replace("_tensor", "")
+            totals[(kind, call["group_size"])] = totals.get((kind, call["group_size"]), 0) + call["bytes"]
+    return totals
+
+
+@pytest.mark.parametrize("world_size", [4, pytest.param(2, marks=pytest.mark.slow)])
+def test_plan_payloads_equal_those_counted_on_gloo_ranks(world_size):
+    """4 ranks: ddp, fsdp 1x4, HSDP 2x2; 2 ranks: ddp, fsdp 1x2, HSDP 2x1 (replicas only)."""
+    measured = run_distributed(_recorded_payloads, world_size)[0]
+    with meta_device():
+        model = tiny_gpt(torch.float64)
+    counts = count_model(model, {"Block"}, 2, SEQ, "fp64", VOCAB)
+    for (strategy, replicate, accumulation), recorded in zip(CASES, measured):
+        layout = Layout(world_size=world_size, ranks_per_node=world_size // replicate, replicate=replicate,
+                        micro_batch_size=2, seq_len=SEQ, grad_accum_steps=accumulation, precision="fp64",
+                        optimizer="sgd")
+        name = "hsdp" if replicate > 1 else strategy
+        plan = next(p for p in plan_strategies(counts, layout) if p.name == name)
+        planned: dict = {}
+        for c in plan.collectives:
+            planned[(c.kind, c.ranks)] = planned.get((c.kind, c.ranks), 0) + c.payload * c.calls
+        assert set(planned) == set(recorded), (strategy, replicate, accumulation, planned, recorded)
+        for key, value in planned.items():
+            assert abs(value - recorded[key]) <= 0.05 * recorded[key], (strategy, replicate, accumulation, key,
+                                                                         value, recorded[key])
+
+
+@pytest.mark.parametrize("micro_tokens", [32, 48, 63, 64])
+def test_a_token_budget_is_planned_as_rows_that_hold_every_microbatch_it_makes(micro_tokens):
+    """batch.micro_tokens is planned as rows of seq_len that hold any microbatch the budget makes:
+    48 tokens of rows of 32 is 3 rows of 16 (48 positions), more than one row of 32."""
+    from ddptrain.config import compose_config
+    from ddptrain.config.validation import validate
+    from ddptrain.data.batches import budget_microbatches
+    from ddptrain.train.memory_plan import plan_for_config
+
+    seq_len = 32
+    cfg = compose_config(["model.n_layer=1", "model.n_head=2", "model.n_embd=16", f"batch.seq_len={seq_len}",
+                          f"batch.micro_tokens={micro_tokens}", "batch.global_size=8"])
+    validate(cfg, 1)
+    _, counts, layout = plan_for_config(cfg, 1)
+    lengths = np.random.default_rng(0).integers(1, seq_len + 1, size=200)
+    lengths[:20] = seq_len // 2  # rows of half seq_len fill a budget that is no multiple of seq_len
+    largest = max(len(group) * int(lengths[group].max())
+                  for group in budget_microbatches(np.arange(len(lengths)), lengths, micro_tokens))
+    assert largest <= micro_tokens
+    assert layout.micro_batch_size * layout.seq_len >= largest, (layout.micro_batch_size, largest)
+    assert layout.micro_batch_size * layout.seq_len < micro_tokens + seq_len  # not more rows than that takes
+    assert counts.activations.bytes > 0
