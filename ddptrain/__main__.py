@@ -33,12 +33,10 @@ def _start_collecting() -> None:
     """Resume the garbage collector, paused while this process imported torch, DCP, dynamo and
     Hydra, and freeze what those imports left (gc.freeze: every later collection skips them).
 
-    Those imports make about half a million objects, nearly all of them as long-lived as the
-    process; collecting while they are made re-scans the growing heap again and again: 0.9 CPU
-    seconds of a 1-rank launch of the test model here, 17% of it (`python -m
-    benchmarks.bench_startup`), and a frozen heap keeps the same scans out of the training loop's
-    collections. A few thousand cyclic leftovers of the imports stay frozen with them (a collect
-    first would cost 0.4 s). The build that follows, data included, runs with the collector on."""
+    Those imports make about half a million objects that live as long as the process; collecting
+    while they are made re-scans the growing heap again and again, and a frozen heap keeps the same
+    scans out of the training loop's collections (what it saves: docs/benchmarks.md, "A launch's
+    start-up"). The build that follows, data included, runs with the collector on."""
     gc.freeze()
     gc.enable()
 
@@ -85,8 +83,8 @@ def train(cfg: DictConfig) -> None:
         logging.getLogger("ddptrain").error("%s error: %s", name, error)
         sys.exit(2)
     finally:
-        # A fixed order (issue 23, item 17): ddptrain's threads joined (prefetch in fit, the
-        # preemption watchdog and the lock heartbeat in close), the wrapped model freed (a DDP
+        # A fixed order, so that a finished run exits 0: ddptrain's threads joined (prefetch in fit,
+        # the preemption watchdog and the lock heartbeat in close), the wrapped model freed (a DDP
         # module alive at destroy_process_group() sometimes aborted the process at exit,
         # "terminate called without an active exception"), every rank done with the group before
         # any destroys it, then the group, then the logs.
@@ -106,9 +104,9 @@ def _exit_skipping_finalization(code) -> None:
     """Exit with `code` (SystemExit's: None is 0, a message is printed and 1) without Python's
     finalization. Everything ddptrain holds is closed by then (train's finally: threads, files,
     process group, logs); what finalization would still do is tear down the ~2,000 modules that
-    torch and its friends import, about 1 s per process on a 2-core machine, on every rank and for
-    every launch. It also runs no C++ static destructors, where a DeepSpeed build's op aborted the
-    process after training had finished (issue 23, item 17)."""
+    torch and its friends import, on every rank and for every launch (its cost:
+    docs/benchmarks.md). It also runs no C++ static destructors, where a DeepSpeed build's op
+    aborted the process after training had finished."""
     if code is None:
         code = 0
     elif not isinstance(code, int):

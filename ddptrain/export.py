@@ -90,8 +90,8 @@ def _to_hf(model: nn.Module, run_dir: Path) -> nn.Module:
 
 def _copy_tokenizer_files(weights: TrainedWeights, out_dir: Path) -> None:
     """final/'s tokenizer files, and its generation_config.json where save_pretrained wrote none (a
-    PEFT adapter directory: before, an adapter exported from final/ had no stop tokens, one exported
-    from a checkpoint had them); for a checkpoint, what save_final would have put beside its weights
+    PEFT adapter directory, so that an adapter exported from final/ stops where one exported from a
+    checkpoint does); for a checkpoint, what save_final would have put beside its weights
     (the tokenizer files, the chat template and the tokens generation stops at, from its run's config)."""
     source = weights.directory  # the directory the model was loaded from
     if not weights.is_final:

@@ -4,22 +4,17 @@
     torchrun --nproc_per_node=2 -m ddptrain.verify batch.micro_size=2  # and data parallel
 
 It takes the same Hydra overrides as training, builds the configured data, model, strategy and
-layout (world size x microbatches), and runs a few steps of it beside ONE process that sees the
-whole global batch of each step at once and minimises the same objective the plain way: one
-forward, sum of token losses / valid tokens, backward, clip, optimizer and schedule step. Both
-start from the same weights, in fp64 on the CPU (--device configured: the run's device and
-trainer.precision). Every step prints the relative differences of the losses and of the gradient
-norms before clipping (AdamW and clipping would hide a gradient off by a constant factor from the
-weights), and the largest relative parameter difference; the end, a verdict against the tolerance
-(fp64: 1e-9).
+layout, and runs a few steps of it beside ONE process that sees each step's whole global batch at
+once and minimises the same objective the plain way (one forward, sum of token losses / valid
+tokens, backward, clip, optimizer and schedule step), both from the same weights, in fp64 on the
+CPU (--device configured: the run's device and precision). Every step prints the relative
+differences of the losses, of the gradient norms before clipping and the largest of the
+parameters; the end, a verdict against the tolerance (fp64: 1e-9).
 
-The objective is the same for every layout; the arithmetic is not always. Before the steps it
-names the modules that make a layout compute something else than one big pass
-(`equivalence_caveats`): batch-dependent ones (BatchNorm and kin, modules listed with
---batch-dependent) compute a different function on a microbatch than on the global batch, and
-stochastic ones (dropout) draw other random masks. Dropout is turned off for the comparison, and
-the report says so; a batch-dependent module shows as a difference. `log_equivalence_caveats`
-gives the trainer the same warnings at start-up.
+Before the steps it names the modules that make a layout compute something else than one big pass
+(`equivalence_caveats`): batch-dependent ones (BatchNorm and kin, --batch-dependent) and stochastic
+ones (dropout, turned off for the comparison, as the report says). `log_equivalence_caveats` gives
+the trainer the same warnings at start-up. The report read line by line: docs/verify.md.
 """
 
 from __future__ import annotations

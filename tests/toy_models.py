@@ -68,7 +68,7 @@ def make_ignores_packing_lm(vocab_size: int) -> IgnoresPackingLM:
 
 
 class FailsOnPackedRowsLM(CausalConvLM):
-    """Raises on packed rows, as Bloom's eager attention does on a 4D mask (issue 23, item 13)."""
+    """Raises on packed rows, as Bloom's eager attention does on a 4D mask."""
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
                 segments: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,21 +6,16 @@ curve, do not depend on the layout.
 
 - micro_size (default): rank r takes a contiguous share of the global batch, cut into microbatches
   of `micro_size` sequences, each padded to its longest sequence.
-- micro_tokens: the global batch is split so that ranks get nearly equal token counts (longest
-  first, each to the rank with the fewest tokens so far); each share is sorted by length and cut
-  into microbatches of at most `micro_tokens` padded tokens (rows x longest), so sequences of
-  similar length share a microbatch and little is padding. Packed rows, all of one length, are
-  split by their attention work next (the sum of their documents' squared lengths). Ranks may run
-  different numbers of microbatches, on every strategy: ddp and zero1 reduce gradients once per
-  step anyway, and where a strategy communicates in every microbatch (zero2, zero3, fsdp) the
-  Engine gives the ranks with fewer microbatches filler microbatches whose targets are all ignored.
-- pack: the examples are rows of seq_len tokens cut from all documents laid end to end
-  (ddptrain/data/packing.py); documents keep their own positions and attention segments. Either
-  of the layouts above then applies to these rows.
+- micro_tokens: ranks get nearly equal token counts (longest first, each to the rank with the
+  fewest so far); each share is sorted by length and cut into microbatches of at most
+  `micro_tokens` padded tokens (rows x longest). Packed rows, all of one length, are split by their
+  attention work (the sum of their documents' squared lengths). Ranks may run different numbers of
+  microbatches; where a strategy communicates in every microbatch the Engine adds fillers.
+- pack: rows of seq_len tokens cut from all documents laid end to end (ddptrain/data/packing.py),
+  each document keeping its own positions and segment; either layout above then applies to rows.
 - pack, on conversations (data=sft): the step's global batch is packed, each conversation whole,
-  into rows of at most seq_len positions; the rows are split over ranks with nearly equal token
-  counts and cut into microbatches of `micro_size` rows or at most `micro_tokens` padded tokens.
-  A microbatch is then a list of rows, each an array of example ids.
+  into rows of at most seq_len positions, split over ranks and cut into microbatches as above. A
+  microbatch is then a list of rows, each an array of example ids.
 """
 
 from __future__ import annotations

@@ -1,31 +1,23 @@
 """Chat tokenizers and templates for data=sft: token ids and a target mask for each example.
 
 The tokenizer is what transformers' AutoTokenizer loads from the directory of `data.tokenizer`
-(a tokenizer.json beside its tokenizer_config.json: the EOS token, and the chat template from
-chat_template.jinja or tokenizer_config.json), or `data.chat_template=PATH` instead of its template.
-`mask[i] == 1` says token i is a target (predicted from the tokens before it).
+(tokenizer.json and tokenizer_config.json: the EOS token and the chat template), or
+`data.chat_template=PATH` instead of its template. `mask[i] == 1` says token i is a target.
 
 - A template that marks assistant text with `{% generation %}`: the mask IS transformers'
-  `return_assistant_tokens_mask` (the template decides whether its end-of-turn token is inside).
-- A template without markers: the conversation is rendered message by message. The text of the
-  first k messages must be a prefix of the whole conversation's text and its tokens a prefix of
-  the whole conversation's tokens, for every k: the messages then tile the tokens exactly. An
-  assistant message's span starts after the generation prompt (its header: the first k messages
-  rendered with `add_generation_prompt`) and ends at its end-of-turn token, the last special
-  token of the span or the template's end-of-turn marker, special or not (a separator after it,
-  like ChatML's newline, is not a target: the same targets as a `{% generation %}` template that
-  keeps the newline outside). A template
-  that cannot be split this way is refused, naming the conversation and the message.
-- Either way the end-of-turn marker, what the template writes right after an assistant message's
-  content (`<|im_end|>`, `<|eot_id|>`), must be one token of the tokenizer: split into pieces it
-  would be trained as text and generation could not stop at it. The first conversation checks it.
-- A message's content may not hold the text of a special token (`<|im_end|>`, `<|im_start|>`, the
-  EOS), nor of the end-of-turn marker when that is an added token: the tokenizer would read it as
-  the token itself, so data could end a turn or open another inside a message (an assistant reply
-  trained to stop at a forged end-of-turn, a user message that opens a forged assistant turn).
-  `special_text_in` finds it; data/sft.py refuses the record, naming the message.
-- Prompt-completion strings, with or without a template: prompt tokens (with the tokenizer's own
-  special tokens, e.g. BOS), completion tokens, then EOS; the completion and EOS are the targets.
+  `return_assistant_tokens_mask`.
+- A template without markers: the conversation is rendered message by message; the first k
+  messages' text and tokens must be prefixes of the whole conversation's, for every k, so the
+  messages tile the tokens exactly. An assistant span runs from after its generation prompt to its
+  end-of-turn token (a separator after it, like ChatML's newline, is not a target). A template that
+  cannot be split so is refused, naming the conversation and the message.
+- Either way the end-of-turn marker (`<|im_end|>`, `<|eot_id|>`) must be one token, or it would be
+  trained as text and generation could not stop at it; and a message's content may not hold the
+  text of a special token or of that marker (`special_text_in`; data/sft.py refuses the record), or
+  data could forge the end of a turn or the start of another.
+- Prompt-completion strings: prompt tokens (with the tokenizer's own special tokens, e.g. BOS),
+  completion tokens, then EOS; the completion and EOS are the targets.
+The rules in full, with the errors they give: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The objective's two pieces: the SUM of token losses and the count of valid targets.
+"""The objective's numerator: the SUM of token losses over the valid targets.
 
 The global mean-token loss of a step is (sum over every valid target of every microbatch of every
-rank) / (number of those targets). Neither piece is a mean: means of unequal pieces cannot be
-averaged into the global mean (transformers PR 34191 tells the story). Label smoothing and the
-z-loss are per-token terms too, so they join the same sum and keep the same divisor N_t.
+rank) / (number of those targets); the count is ddptrain/contract/targets.py's. Neither piece is a
+mean: means of unequal pieces cannot be averaged into the global mean (transformers PR 34191 tells
+the story). Label smoothing and the z-loss are per-token terms too, so they join the same sum and
+keep the same divisor N_t.
 """
 
 from __future__ import annotations

@@ -11,15 +11,10 @@ model=hf with model.lora.r > 0 is peft's LoRA over the frozen weights of model.p
 (ddptrain.models.lora): final/ is then a PEFT adapter directory, and checkpoints and final/ hold
 the adapter alone (`saves_frozen_weights`).
 
-Activation checkpointing (trainer.activation_checkpointing) keeps only each block's input in the
-forward pass and recomputes the block in backward. The activations a block saves for backward
-(attention inputs, the 4x-wide MLP hidden, norms) are freed after its forward and rebuilt when
-backward reaches it, so activation memory drops from all of every block's saved tensors to one
-tensor per block plus one block's worth at a time, for one extra forward pass of compute (~1/3
-more FLOPs per step). Checkpointing is non-reentrant (`use_reentrant=False`): it works under DDP's
-no_sync, with keyword arguments (packed rows) and with inputs that need no grad, and it restores
-the RNG state so dropout recomputes the same mask. The update is unchanged: the recompute runs the
-same operations on the same inputs.
+Activation checkpointing (trainer.activation_checkpointing) keeps each block's input and recomputes
+the block in backward, non-reentrant (`use_reentrant=False`: under no_sync, with keyword arguments,
+restoring the RNG so dropout draws the same mask). The update is unchanged: the recompute runs the
+same operations on the same inputs. What it saves and costs: docs/architecture.md.
 """
 
 from __future__ import annotations

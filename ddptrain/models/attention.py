@@ -1,41 +1,22 @@
 """Attention for packed rows: each document attends to itself alone, from its boundaries.
 
-Collation (ddptrain/data/packing.py) turns a microbatch's segment ids into `DocumentBoundaries`
-(ddptrain/contract/boundaries.py) once, on the host: cu_seqlens-style offsets of every document in the
-flattened (B * T) rows, the longest document's length as a host int (so no kernel launch waits on
-`.item()`), and the gather plan. Nothing here builds a T x T tensor unless the `mask` backend is
-asked for. Every run of equal segment ids in a row is a document, the row's padding included:
-padding then attends only to padding, as under the dense mask, so every backend computes the same
-numbers at every position.
+Collation turns a microbatch's segment ids into `DocumentBoundaries` (ddptrain/contract/boundaries.py)
+once, on the host. Nothing here builds a T x T tensor unless the `mask` backend is asked for. Every
+run of equal segment ids in a row is a document, the row's padding included, so every backend
+computes the same numbers at every position, padding too.
 
 Backends (`trainer.attention`, picked at start-up by `select_backend`):
 
-- gather (any device): the documents are gathered into padded batches sorted by length and run
-  through plain causal SDPA, no mask (so flash or efficient kernels on CUDA), then put back. The
-  buckets (each padded to its longest document, at most twice its shortest; documents of up to 16
-  tokens may share one; the cheapest such plan under a cost model of causal attention) bound the
-  buffer (ddptrain/contract/boundaries.py) and make one SDPA call each. A
-  document padded at its end never lets a real token see the padding (causal), so no mask is
-  needed. The gather is one permutation with padding, and so is its backward: index_select both
-  ways, never index_select's scatter-add backward (slow on CPU); the buckets are one split of the
-  buffer, whose backward is one cat (a slice per bucket would add up a zero tensor of the whole
-  buffer per bucket). On CUDA the buckets' SDPA calls never take cuDNN's backend, which builds a
-  graph for every new shape (`_without_cudnn`). Rows that are whole documents go straight to causal
-  SDPA, on varlen and flex too.
-- varlen (CUDA, bf16/fp16): torch's FlashAttention varlen kernel (`torch.nn.attention.varlen`)
-  over the flattened rows with cu_seqlens and the host's max length, through whichever keywords
-  this torch's `varlen_attn` has (they changed between torch 2.9 and 2.13).
-- flex (CUDA, heads of 16 dimensions or more): FlexAttention, compiled, with a document block mask
-  (same segment, causal), as torchtitan does.
-- mask: the dense (B, 1, T, T) boolean mask with SDPA: the reference, and the fallback where the
-  others do not apply (with a warning).
+- gather (any device): documents gathered into padded, length-sorted buckets, plain causal SDPA
+  (no mask), then put back; one permutation each way, never a scatter-add.
+- varlen (CUDA, bf16/fp16): torch's FlashAttention varlen kernel over cu_seqlens.
+- flex (CUDA, heads of 16 dimensions or more): compiled FlexAttention with a document block mask.
+- mask: the dense (B, 1, T, T) mask with SDPA: the reference, and the fallback (with a warning).
 
-Whatever a backend derives from the boundaries (a sliding-window band, the block mask, the dense
-mask) is built once per microbatch and cached on the boundaries object, never per layer.
-Sliding windows (`window`: a query sees the `window` latest keys, itself included, transformers'
-convention) and grouped-query attention (fewer key/value heads) work on every backend. `attend`
-runs outside torch.compile's graphs (its shapes depend on the data), so a compiled block does not
-recompile for each new document layout.
+Rows that are whole documents go straight to causal SDPA. Whatever a backend derives from the
+boundaries is built once per microbatch and cached on them, never per layer. Sliding windows and
+grouped-query attention work on every backend. `attend` runs outside torch.compile's graphs, so a
+compiled block does not recompile for each document layout. Design notes: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -122,7 +103,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documen
 
     Under torch.compile it runs eagerly, between a compiled block's graphs (ragged, data-dependent
     shapes). The torch.compiler.disable wrapper is made on the first compiled call, not at import:
-    making it imports torch._dynamo, about 2 s of every process's start-up that compiles nothing."""
+    making it imports torch._dynamo, which a process that compiles nothing should not pay for."""
     if torch.compiler.is_compiling():
         return _outside_graphs()(q, k, v, documents, scale, dropout, window)
     return _attend(q, k, v, documents, scale, dropout, window)
@@ -235,9 +216,8 @@ def _gather(q, k, v, documents, scale, dropout, window):
 
 def _without_cudnn(on_cuda: bool):
     """SDPA without its cuDNN backend for the gather's buckets, on CUDA. Their shapes change with
-    every microbatch, and cuDNN builds a graph for each new shape: on an H200 (torch 2.11, where SDPA
-    picked cuDNN for them) a fresh 16 x 1024 microbatch's gather took 2.4 s fwd+bwd, nearly all of it
-    graph building, against 7-9 ms with FlashAttention or the memory-efficient kernel."""
+    every microbatch, and cuDNN builds a graph for each new shape, which costs far more than the
+    attention itself (docs/benchmarks.md, "On a GPU")."""
     if not on_cuda:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

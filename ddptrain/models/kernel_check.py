@@ -1,26 +1,18 @@
 """The start-up check of packed rows' attention kernel on the run's own device.
 
-Every backend is proven equal to the dense mask by the test suite, but the suite runs on CPU, and
-the kernels that matter most run on CUDA only: torch's FlashAttention varlen kernel, FlexAttention
-compiled by Inductor for the GPU at hand, SDPA's flash and memory-efficient kernels under the
-gather. One of them going wrong on some GPU, torch or head layout would change every update
-without a sign (seen once: flex through model=hf on an H200 with torch 2.11 differed from the
-mask). So before the first step the chosen backend runs once on this device, in the run's
-precision, with the model's heads, softmax scale and the memory layout its q, k and v arrive in
-(`HeadLayout`: a kernel may read strided views wrongly and contiguous tensors right), on two
-packed rows of ragged documents (some longer than a flex block of 128, some of one token, padding
-at the end); its output and the gradients of q, k and v are compared with the dense mask computed
-in fp64 from the same inputs.
-A backend beyond the bound is refused when forced and replaced when `auto` chose it (see
-ddptrain/train/builder.py `use_packed_attention`).
+The test suite proves every backend equal to the dense mask on CPU, but the kernels that matter
+most run on CUDA only (FlashAttention varlen, FlexAttention compiled for the GPU at hand, SDPA's
+kernels under the gather), and a wrong one would change every update without a sign. So before the
+first step the chosen backend runs once on this device, in the run's precision, with the model's
+heads, softmax scale and the memory layout its q, k and v arrive in (`HeadLayout`: a kernel may
+read strided views wrongly and contiguous tensors right), on two packed rows of ragged documents;
+its output and the gradients of q, k and v are compared with the dense mask computed in fp64 from
+the same inputs. A backend beyond the bound is refused when forced and replaced when `auto` chose
+it (ddptrain/train/builder.py `use_packed_attention`).
 
-The bounds are loose enough for the precision's rounding (fp32 1e-4, bf16/fp16 5e-2, relative to
-the reference's largest entry) and far below what a wrong mask or a wrong kernel gives (a token
-that sees one key too many or too few moves its output by a large fraction of its scale). fp32 on
-a GPU whose fp32 matmuls run in TF32 (Trainer.build allows it for fp32 runs on CUDA, and compiled
-flex follows it) gets TF32's bound, 5e-3: TF32's rounding alone moves the check's output and
-gradients by 4e-4 to 7e-4 (simulated in fp64 with every matmul's operands rounded to 10 bits of
-mantissa), which the fp32 bound would refuse.
+The bounds (fp32 1e-4, bf16/fp16 5e-2, relative to the reference's largest entry; TF32's 5e-3 for
+fp32 where CUDA matmuls run in TF32) hold the precision's rounding and are far below what a wrong
+mask or kernel gives. Why these bounds, and what the check found: docs/architecture.md.
 """
 
 from __future__ import annotations

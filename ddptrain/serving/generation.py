@@ -440,8 +440,8 @@ class Generator:
     def _cache_config(self):
         """The paged KV cache sized for max_active full-context sequences, at most kv_cache_mb.
 
-        Left unsized, transformers fills a share of free memory: on CPU that allocated ~1 GiB and
-        took 10-25 s on the first request here."""
+        Left unsized, transformers fills a share of free memory, which on CPU makes the first
+        request wait for a large allocation (docs/serving.md)."""
         from transformers import ContinuousBatchingConfig
 
         config = self.model.config.get_text_config()

@@ -1,6 +1,6 @@
-"""Cache entries verify themselves (issue 23, item 7): meta.json holds a checksum of every array,
-checked on load; a damaged entry (same size but other bytes, or truncated) is rebuilt with a
-warning naming it, never used."""
+"""Cache entries verify themselves: meta.json holds a checksum of every array, checked on load; a
+damaged entry (same size but other bytes, or truncated) is rebuilt with a warning naming it, never
+used."""
 
 from __future__ import annotations
 

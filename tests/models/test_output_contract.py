@@ -1,7 +1,6 @@
-"""The model contract at start-up (issue 23, items 9, 10, 11): one forward pass on a real
-microbatch's first row must give logits (B, T, V) with V the data's vocabulary, or `.logits` of
-that shape; a factory that raises is a model error. Each is a ModelError (rc=2), never a raw
-traceback or a run that trains on the wrong columns."""
+"""The model contract at start-up: one forward pass on a real microbatch's first row must give logits
+(B, T, V) with V the data's vocabulary, or `.logits` of that shape; a factory that raises is a model
+error. Each is a ModelError (rc=2), never a raw traceback or a run that trains on the wrong columns."""
 
 from __future__ import annotations
 

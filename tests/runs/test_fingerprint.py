@@ -1,6 +1,6 @@
-"""Resumes notice changed inputs (issue 23, items 5, 6): the checkpoint records a fingerprint of
-what defines the run beyond its config, and a difference is refused with the key, old and new
-value; checkpoint.accept_changed_data accepts a changed corpus with a warning."""
+"""Resumes notice changed inputs: the checkpoint records a fingerprint of what defines the run beyond
+its config, and a difference is refused with the key, old and new value;
+checkpoint.accept_changed_data accepts a changed corpus with a warning."""
 
 from __future__ import annotations
 

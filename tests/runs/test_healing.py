@@ -1,7 +1,7 @@
-"""Checkpoints that heal (issue 23, items 1-4): a step whose checkpoint does not verify is written
-again, a leftover step directory never blocks a save, purging keeps the newest checkpoint that
-verifies, final/ verifies like a checkpoint and is rebuilt when it does not, and a refused launch
-leaves config.yaml as it was."""
+"""Checkpoints that heal: a step whose checkpoint does not verify is written again, a leftover step
+directory never blocks a save, purging keeps the newest checkpoint that verifies, final/ verifies
+like a checkpoint and is rebuilt when it does not, and a refused launch leaves config.yaml as it
+was."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_damaged_checkpoints_and_final_weights_heal_and_a_refused_launch_changes
     shard = max((step6 / "state").glob("*.distcp"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:100])
 
-    # item 1: step 6 does not verify, so the run resumes from 4, moves the bad 6 (and final/ of step 6)
+    # A damaged checkpoint: step 6 does not verify, so the run resumes from 4, moves the bad 6 (and final/ of step 6)
     # to previous/, writes 6 again and never purges 4 for a bad 6
     second = run_cli([*base, "checkpoint.keep=1"], nproc=2)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -100,7 +100,7 @@ def test_damaged_checkpoints_and_final_weights_heal_and_a_refused_launch_changes
     ckpt.verify(step6)
     assert ckpt.find_latest(run_dir) == step6
 
-    # item 3: a truncated final/model.safetensors is named, and the same command rebuilds it
+    # A damaged final/: a truncated final/model.safetensors is named, and the same command rebuilds it
     weights = final_dir(run_dir) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ckpt.CheckpointError, match="model.safetensors is corrupted"):
@@ -110,13 +110,13 @@ def test_damaged_checkpoints_and_final_weights_heal_and_a_refused_launch_changes
     assert "final/ is rebuilt" in third.stderr
     ddptrain.load_model(run_dir)
 
-    # item 4: a refused launch (max_steps below the checkpoint's step) leaves config.yaml as it was
+    # A refused launch (max_steps below the checkpoint's step) leaves config.yaml as it was
     config_before = (run_dir / "config.yaml").read_text()
     refused = run_cli([*RUN, f"run.dir={run_dir}", "trainer.max_steps=5"])
     assert refused.returncode == 2 and "past trainer.max_steps=5" in refused.stderr, refused.stderr[-2000:]
     assert (run_dir / "config.yaml").read_text() == config_before
 
-    # item 2: a step directory without COMPLETE.json (a save that never finished) never blocks that step
+    # A leftover: a step directory without COMPLETE.json (a save that never finished) never blocks that step
     leftover = ckpt.checkpoint_dir(run_dir) / ckpt.step_name(8)
     (leftover / "state").mkdir(parents=True)
     (leftover / "state" / "half.distcp").write_bytes(b"half")

@@ -1,6 +1,5 @@
-"""Safe loading (issue 23, item 18): every torch file ddptrain reads is loaded with
-weights_only=True and an explicit allowlist; a pickled object outside it is refused by name and
-none of it runs."""
+"""Safe loading: every torch file ddptrain reads is loaded with weights_only=True and an explicit
+allowlist; a pickled object outside it is refused by name and none of it runs."""
 
 from __future__ import annotations
 

@@ -433,7 +433,7 @@ def test_a_client_that_disconnects_cancels_its_request(run_dir, caplog):
             wait_for(lambda: generator.in_flight)  # it is decoding
         wait_for(lambda: len(cancelled) == 2 and not generator.in_flight)
         assert len(cancelled) == 2 and generator.in_flight == 0
-        # Mid-body: the headers promise more than is sent before the socket closes (issue 23, item 16).
+        # Mid-body: the headers promise more than is sent before the socket closes.
         uvicorn_errors = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root
         uvicorn_errors.addHandler(caplog.handler)
         with caplog.at_level("INFO", logger="ddptrain"):

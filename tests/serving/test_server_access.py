@@ -1,5 +1,5 @@
-"""Server access (issue 23, item 19): an API key on every endpoint but /health, compared in
-constant time, 401 otherwise; a non-loopback host without a key is refused unless asked for."""
+"""Server access: an API key on every endpoint but /health, compared in constant time, 401 otherwise; a
+non-loopback host without a key is refused unless asked for."""
 
 from __future__ import annotations
 

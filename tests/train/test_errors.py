@@ -1,5 +1,4 @@
-"""Bad input is a message naming the value and the rule, exit code 2, and leaves nothing behind
-(issue 23, items 12, 14, 16)."""
+"""Bad input is a message naming the value and the rule, exit code 2, and leaves nothing behind."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""A finished run exits 0, always (issue 23, item 17 and its stress test): short 2-rank runs per
-strategy, two at a time (a loaded machine is where the rare teardown abort showed), every one must
-exit 0. DDPTRAIN_STRESS_RUNS sets the runs per strategy: 2 in the suite (one pair: the suite is
-over its time budget), 8 under scripts/red_team.sh, the issue's count."""
+"""A finished run exits 0, always, under stress: short 2-rank runs per strategy, two at a time (a
+loaded machine is where the rare teardown abort showed), every one must exit 0.
+DDPTRAIN_STRESS_RUNS sets the runs per strategy: 2 in the suite (one pair: the suite is over its
+time budget), 8 under scripts/red_team.sh."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A finished run exits 0, always (issue 23, item 17): ddptrain's own threads are joined in close,
-in a fixed order, before the process group is destroyed."""
+"""A finished run exits 0, always: ddptrain's own threads are joined in close, in a fixed order, before
+the process group is destroyed."""
 
 from __future__ import annotations
 
