@@ -45,13 +45,17 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def env_local_world_size() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE); the whole world where the launcher does not say."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(env_world_size())))
+
+
 def env_node_count() -> int:
     """Nodes in the launch: torchrun's GROUP_WORLD_SIZE (agents, one per node), else WORLD_SIZE over
     LOCAL_WORLD_SIZE; 1 outside a launcher."""
     if "GROUP_WORLD_SIZE" in os.environ:
         return int(os.environ["GROUP_WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(env_world_size())))
-    return max(1, env_world_size() // max(1, local))
+    return max(1, env_world_size() // max(1, env_local_world_size()))
 
 
 def replicate_degree(replicate: int | str, world_size: int) -> int:

@@ -1,5 +1,5 @@
 """Typed config: the schema (schema.py), every choice declared once (choices.py), validation in one
-place (validation.py) and composition for every command (compose.py).
+place (validation.py), the step's layout (layout.py) and composition for every command (compose.py).
 
 The names below are loaded lazily (PEP 562), so importing `ddptrain.config.choices` (as the engine
 and the strategies do) does not import Hydra.
@@ -11,7 +11,8 @@ import importlib
 
 _EXPORTS = {
     "ConfigError": "schema", "TrainConfig": "schema", "DataConfig": "schema", "MODEL_SCHEMAS": "schema",
-    "validate": "validation", "grad_accum_steps": "validation", "strategy_options": "validation",
+    "validate": "validation", "strategy_options": "validation",
+    "BatchLayout": "layout", "rows_vary": "layout", "grad_accum_steps": "layout",
     "check_known_keys": "validation",
     "CONFIG_PATH": "compose", "register_configs": "compose", "compose_config": "compose",
 }

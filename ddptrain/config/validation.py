@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddptrain.config import choices
+from ddptrain.config.layout import BatchLayout, rows_vary
 from ddptrain.config.schema import MODEL_SCHEMAS, ConfigError, DataConfig, OptimConfig, TrainConfig, WandbConfig
 from ddptrain.distributed import replicate_degree
 
@@ -74,7 +75,7 @@ def _get(cfg: Any, dotted: str) -> Any:
     return node
 
 
-def validate(cfg: Any, world_size: int) -> int:
+def validate(cfg: TrainConfig, world_size: int) -> int:
     """Check every rule; return the gradient accumulation steps. Raises ConfigError."""
     check_known_keys(cfg)
     missing = OmegaConf.missing_keys(cfg) if isinstance(cfg, DictConfig) else set()
@@ -125,15 +126,14 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     if not 0 <= cfg.objective.z_loss < math.inf:
         raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be a finite number >= 0")
     batch = cfg.batch
-    if batch.micro_tokens is not None or batch.pack:
+    if rows_vary(batch):
         if batch.micro_tokens is not None and batch.micro_tokens < batch.seq_len:
             raise ConfigError(f"batch.micro_tokens={batch.micro_tokens} must be >= batch.seq_len={batch.seq_len} "
                               "(a microbatch holds at least one full sequence)")
         if batch.global_size < world_size or (batch.micro_tokens is None and batch.global_size % world_size):
             rule = "at least" if batch.micro_tokens is not None else "divisible by"
             raise ConfigError(f"batch.global_size={batch.global_size} must be {rule} the world size {world_size}")
-        return 0  # varies per step and rank
-    return grad_accum_steps(batch.global_size, batch.micro_size, world_size)
+    return BatchLayout.of(batch, world_size).grad_accum_steps or 0  # 0: varies per step and rank
 
 
 def _validate_checkpoint(checkpoint: Any) -> None:
@@ -318,14 +318,3 @@ def _validate_data(data: Any) -> None:
                           "byte: model=hf's own (data.tokenizer=null) or data.tokenizer=<dir>/tokenizer.json")
     if data.name != "sft" and data.chat_template is not None:
         raise ConfigError(f"data.chat_template applies to data=sft only, not data={data.name}")
-
-
-def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """global / (micro x world), or a ConfigError naming the three numbers."""
-    per_step = micro_batch_size * world_size
-    if global_batch_size % per_step:
-        raise ConfigError(
-            f"batch.global_size={global_batch_size} must be divisible by batch.micro_size={micro_batch_size} "
-            f"x world size {world_size} = {per_step}"
-        )
-    return global_batch_size // per_step

@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from ddptrain.data.sources import DataError, common_directory
+from ddptrain.distributed import env_local_world_size
 from ddptrain.fsutil import fsync_file, pid_is_running, rename
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             failed.write_text(f"{type(error).__name__}: {error}")
-            if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+            if env_local_world_size() > 1:
                 # torchrun stops every rank as soon as one exits: say it now, then give the
                 # waiting ranks a few polls to read the marker and report the same error.
                 log.error("preprocessing failed: %s", error)

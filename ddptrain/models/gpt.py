@@ -14,19 +14,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ddptrain.config.schema import GPTModelConfig
 from ddptrain.contract.boundaries import DocumentBoundaries
 from ddptrain.models import attention
 
 
 @dataclass
 class GPTConfig:
+    """The architecture; its defaults are model=gpt's, declared once in the config schema."""
+
     vocab_size: int = 256
     max_seq_len: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
+    n_layer: int = GPTModelConfig.n_layer
+    n_head: int = GPTModelConfig.n_head
+    n_embd: int = GPTModelConfig.n_embd
+    dropout: float = GPTModelConfig.dropout
+    bias: bool = GPTModelConfig.bias
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them (less memory, ~1/3 more compute)."""
 

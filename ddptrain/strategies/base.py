@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ddptrain.config.choices import PRECISIONS
 from ddptrain.strategies import state as neutral
+from ddptrain.strategies.footprint import Footprint, Layout, ParameterCounts
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,13 @@ class Strategy(abc.ABC):
     def check_config(cls, options: dict, layout: StepLayout, *, world_size: int, grad_clip: float | None) -> None:
         """Refuse (ValueError naming the key, the value and the rule) options that `setup` would
         refuse, before any process group or run dir exists. Nothing to check by default."""
+
+    @classmethod
+    def memory_per_rank(cls, counts: ParameterCounts, layout: Layout) -> list[Footprint]:
+        """What one rank holds (weights, gradients, optimizer state, other buffers) and sends per
+        optimizer step under this strategy, for `python -m ddptrain.plan`: one Footprint per way it
+        runs. Computed from the counts, without building the strategy or a process group."""
+        raise NotImplementedError(f"strategy={cls.name} does not say what a rank holds and sends")
 
     def configure(self, *, grad_clip: float | None, precision: str, save_frozen: bool = True) -> None:
         """The Engine's step settings, given before `setup`."""

@@ -16,6 +16,7 @@ from ddptrain.config.choices import DDPOptions
 from ddptrain.distributed import is_distributed
 from ddptrain.fsutil import load_torch
 from ddptrain.strategies.base import Strategy
+from ddptrain.strategies.footprint import Collective, Footprint, Layout, ParameterCounts
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -51,6 +52,15 @@ class DDPStrategy(Strategy):
         self.model = None
         self.optimizer = None
         self._module: nn.Module | None = None
+
+    @classmethod
+    def memory_per_rank(cls, counts: ParameterCounts, layout: Layout) -> list[Footprint]:
+        """Every rank holds everything; one all-reduce of the trained gradients per step."""
+        b = layout.bytes_per_value
+        trained = counts.trainable * b
+        return [Footprint(cls.name, cls.name, counts.parameters * b, trained, layout.optimizer_state_bytes(trained), 0,
+                          [Collective("gradient all-reduce", "all_reduce", trained, 1, layout.world_size,
+                                      layout.world_level)])]
 
     def setup(self, model: nn.Module, optimizer, device: torch.device) -> None:
         if optimizer is None:

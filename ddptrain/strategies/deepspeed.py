@@ -38,6 +38,7 @@ from ddptrain.config.choices import STRATEGIES, ZeROOptions
 from ddptrain.distributed import backend_for, get_rank, get_world_size, is_distributed
 from ddptrain.strategies import state as neutral
 from ddptrain.strategies.base import StepLayout, Strategy
+from ddptrain.strategies.footprint import MiB, Collective, Footprint, Layout, ParameterCounts
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ TAG = "zero"
 LAYOUT_FILE = "ddptrain_layout.json"
 """DeepSpeed's own checkpoint (tag, and ddptrain's note of the world size): the layout before the
 neutral one, still read on the world size that wrote it."""
+
+BUCKETS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7}
+"""DeepSpeed's defaults (elements), unless strategy.deepspeed sets them (for the memory plan)."""
 
 # DeepSpeed config key -> the ddptrain setting it is derived from (for error messages).
 _DERIVED_FROM = {
@@ -292,6 +296,39 @@ class DeepSpeedStrategy(Strategy):
         # the config `setup` derives, without DeepSpeed: the same checks, before anything starts
         deepspeed_config(cls.stage, micro_batch_size=layout.micro_batch_size, grad_accum_steps=layout.grad_accum_steps,
                          world_size=world_size, grad_clip=grad_clip, extra=options.get("deepspeed"))
+
+    @classmethod
+    def memory_per_rank(cls, counts: ParameterCounts, layout: Layout) -> list[Footprint]:
+        """Optimizer state partitioned (every stage), gradients from stage 2, weights at stage 3; each
+        rank also keeps an fp32 copy of its partition (DeepSpeed's `single_partition_of_fp32_groups`)
+        and, from stage 2, a reduce bucket."""
+        n, b, stage, accumulation = layout.world_size, layout.bytes_per_value, cls.stage, layout.grad_accum_steps
+        all_params, trained, level = counts.parameters * b, counts.trainable * b, layout.world_level
+        buckets = {**BUCKETS, **{k: v for k, v in layout.deepspeed.get("zero_optimization", {}).items()
+                                 if k in BUCKETS}}
+        reduce_bucket = min(buckets["reduce_bucket_size"], counts.trainable) * b
+        master = trained / n
+        other = master + (reduce_bucket if stage >= 2 else 0)
+        note = (f"{cls.name}: other = fp32 partition copy {master / MiB:.1f} MiB"
+                + (f" + reduce bucket {buckets['reduce_bucket_size']:.0e} elements" if stage >= 2 else "")
+                + f"; DeepSpeed buckets: reduce {buckets['reduce_bucket_size']:.0e}, allgather "
+                  f"{buckets['allgather_bucket_size']:.0e}"
+                + (f", stage3 prefetch {buckets['stage3_prefetch_bucket_size']:.0e}" if stage == 3 else "")
+                + " elements")
+        update_gather = Collective("parameter all-gather after the update", "all_gather", trained, 1, n, level)
+        if stage == 1:
+            comms = [Collective("gradient reduce-scatter", "reduce_scatter", trained, 1, n, level), update_gather]
+        elif stage == 2:
+            comms = [Collective("gradient reduce-scatter (every microbatch)", "reduce_scatter", trained,
+                                accumulation, n, level), update_gather]
+        else:
+            comms = [Collective("parameter all-gather, forward", "all_gather", all_params, accumulation, n, level),
+                     Collective("parameter all-gather, backward", "all_gather", all_params, accumulation, n, level),
+                     Collective("gradient reduce-scatter (every microbatch)", "reduce_scatter", trained,
+                                accumulation, n, level)]
+        return [Footprint(cls.name, cls.name, all_params / n if stage == 3 else all_params,
+                          trained if stage == 1 else trained / n, layout.optimizer_state_bytes(trained) / n, other,
+                          comms, [note])]
 
     def __init__(self, micro_batch_size: int = 1, grad_accum_steps: int = 1, deepspeed: Mapping | None = None):
         self._deepspeed = import_deepspeed(self.name)

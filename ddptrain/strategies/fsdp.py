@@ -42,6 +42,7 @@ from ddptrain.config.schema import ConfigError
 from ddptrain.distributed import backend_for, device_mesh, get_world_size, is_distributed, replicate_degree
 from ddptrain.contract.blocks import block_class_names
 from ddptrain.strategies.base import StepLayout, Strategy
+from ddptrain.strategies.footprint import Collective, Footprint, Layout, ParameterCounts
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,43 @@ class FSDPStrategy(Strategy):
     @classmethod
     def from_config(cls, options: dict, layout: StepLayout) -> "FSDPStrategy":
         return cls(**options)
+
+    @classmethod
+    def memory_per_rank(cls, counts: ParameterCounts, layout: Layout) -> list[Footprint]:
+        """Two ways it runs: sharded over the whole world (fsdp), and HSDP (layout.replicate
+        replicas of world/replicate shards, the shards inside a node)."""
+        world = cls._footprint(cls.name, counts, layout, layout.world_size, layout.world_level)
+        shards = layout.world_size // layout.replicate
+        hsdp = cls._footprint("hsdp", counts, layout, shards, "intra", label=f"hsdp {layout.replicate}x{shards}")
+        if layout.replicate > 1:
+            hsdp.collectives.append(Collective("gradient all-reduce of the shards across replicas", "all_reduce",
+                                               counts.trainable * layout.bytes_per_value / shards, 1,
+                                               layout.replicate, layout.world_level))
+        return [world, hsdp]
+
+    @staticmethod
+    def _footprint(name: str, counts: ParameterCounts, layout: Layout, shards: int, level: str,
+                   label: str | None = None) -> Footprint:
+        """Sharded over `shards` ranks whose collectives run at `level`."""
+        b, accumulation = layout.bytes_per_value, layout.grad_accum_steps
+        trained = counts.trainable * b
+        label = label or name
+        notes = []
+        grads = trained if accumulation > 1 else trained / shards
+        if accumulation > 1:
+            notes.append(f"{label}: gradients stay unsharded while {accumulation} microbatches accumulate (no sync)")
+        gather_b = 2 if layout.precision == "bf16" else b  # MixedPrecisionPolicy(param_dtype=bf16) gathers bf16
+        gathered = min(2 * counts.largest_unit, counts.parameters) * gather_b  # one unit + the prefetched
+        # fully_shard(model, reshard_after_forward=True) reshards the root unit too (counted on gloo ranks:
+        # the backward gathers every parameter again)
+        comms = [Collective("parameter all-gather, forward (every microbatch)", "all_gather",
+                            counts.parameters * gather_b, accumulation, shards, level)]
+        if layout.reshard_after_forward:
+            comms.append(Collective("parameter all-gather, backward (every microbatch)", "all_gather",
+                                    counts.parameters * gather_b, accumulation, shards, level))
+        comms.append(Collective("gradient reduce-scatter", "reduce_scatter", trained, 1, shards, level))
+        return Footprint(name, label, counts.parameters * b / shards, grads,
+                         layout.optimizer_state_bytes(trained) / shards, gathered, comms, notes)
 
     def __init__(self, reshard_after_forward: bool = True, shard_modules: list | tuple = (), replicate: int | str = 1):
         self.reshard_after_forward = reshard_after_forward

@@ -17,8 +17,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddptrain.config.schema import ConfigError
-from ddptrain.config.validation import grad_accum_steps, strategy_options, validate
+from ddptrain.config.layout import BatchLayout
+from ddptrain.config.schema import ConfigError, TrainConfig
+from ddptrain.config.validation import strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.distributed import DistInfo, pick_device, raise_on_every_rank
 from ddptrain.engine.engine import Engine
@@ -50,18 +51,18 @@ class Built:
     engine: Engine
 
 
-def resolve_tokenizer(cfg) -> None:
+def resolve_tokenizer(cfg: TrainConfig) -> None:
     """data.tokenizer=null becomes the model kind's own tokenizer (model=hf's tokenizer.json), else bytes."""
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = adapter_for(cfg.model).default_tokenizer(cfg.model) or "byte"
 
 
-def decay_steps(cfg) -> int:
+def decay_steps(cfg: TrainConfig) -> int:
     """The LR schedule's length: optim.decay_steps, else trainer.max_steps."""
     return cfg.optim.decay_steps or cfg.trainer.max_steps
 
 
-def load_data(cfg, dist_info: DistInfo) -> DataSplits:
+def load_data(cfg: TrainConfig, dist_info: DistInfo) -> DataSplits:
     """The tokenized splits; local rank 0 of each node preprocesses into the shared cache, the others wait."""
     started = time.perf_counter()
     data = load_splits(cfg.data, cfg.batch.seq_len, local_rank=dist_info.local_rank)
@@ -71,13 +72,13 @@ def load_data(cfg, dist_info: DistInfo) -> DataSplits:
     return data
 
 
-def train_batches(cfg, data: DataSplits, dist_info: DistInfo) -> TrainBatches:
+def train_batches(cfg: TrainConfig, data: DataSplits, dist_info: DistInfo) -> TrainBatches:
     batch = cfg.batch
     return TrainBatches(data.train, batch.global_size, batch.micro_size, cfg.run.seed, dist_info.rank,
                         dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len)
 
 
-def build_model(cfg, vocab_size: int, device: torch.device | None = None, precision: str | None = None,
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None = None, precision: str | None = None,
                 sample_inputs=None) -> tuple[nn.Module, ModelSpec, ModelAdapter]:
     """The configured model with the same initial weights on every rank, checked by its adapter
     (packing, context length) and against the model contract on `sample_inputs` (a real
@@ -112,7 +113,8 @@ def build_model(cfg, vocab_size: int, device: torch.device | None = None, precis
     return model, spec, adapter
 
 
-def use_packed_attention(cfg, adapter: ModelAdapter, model: nn.Module, device: torch.device, precision: str) -> str:
+def use_packed_attention(cfg: TrainConfig, adapter: ModelAdapter, model: nn.Module, device: torch.device,
+                         precision: str) -> str:
     """trainer.attention for packed rows, resolved for this device and precision, checked against
     the dense mask on this device (ddptrain/models/kernel_check.py), set on the model and named at
     start-up (ddptrain/models/attention.py). Collective: a forced backend that fails the check on
@@ -138,7 +140,7 @@ def use_packed_attention(cfg, adapter: ModelAdapter, model: nn.Module, device: t
     return used
 
 
-def optimizer_and_schedule(cfg, model: nn.Module):
+def optimizer_and_schedule(cfg: TrainConfig, model: nn.Module):
     optim = cfg.optim
     optimizer = build_optimizer(model, optim.name, optim.lr, optim.weight_decay, tuple(optim.betas))
     scheduler = build_scheduler(optimizer, optim.schedule, optim.warmup_steps, decay_steps(cfg), optim.min_lr_ratio)
@@ -150,19 +152,17 @@ def optimizer_and_schedule(cfg, model: nn.Module):
     return optimizer, scheduler
 
 
-def objective_of(cfg) -> Objective:
+def objective_of(cfg: TrainConfig) -> Objective:
     return Objective(label_smoothing=cfg.objective.label_smoothing, z_loss=cfg.objective.z_loss)
 
 
-def step_layout(cfg, world_size: int) -> dict:
+def step_layout(cfg: TrainConfig, world_size: int) -> dict:
     """What a strategy needs of the layout: microbatch size and (when fixed) accumulation steps."""
-    batch = cfg.batch
-    varies = batch.micro_tokens is not None or batch.pack  # microbatches per step vary by step and rank
-    return {"micro_batch_size": batch.micro_size,
-            "grad_accum_steps": 1 if varies else grad_accum_steps(batch.global_size, batch.micro_size, world_size)}
+    layout = BatchLayout.of(cfg.batch, world_size)
+    return {"micro_batch_size": layout.micro_batch_size, "grad_accum_steps": layout.microbatches_per_step}
 
 
-def validate_run(cfg, world_size: int) -> int:
+def validate_run(cfg: TrainConfig, world_size: int) -> int:
     """`validate` (the config's own rules), then the strategy's rules on its section (ZeRO: the
     DeepSpeed config ddptrain derives, against strategy.deepspeed); returns the accumulation steps.
     Both fail as a ConfigError before the process group or the run dir exists."""
@@ -175,15 +175,14 @@ def validate_run(cfg, world_size: int) -> int:
     return accumulation
 
 
-def describe_layout(cfg, world_size: int) -> str:
+def describe_layout(cfg: TrainConfig, world_size: int) -> str:
     """The step's layout in words, for the start-up summary and verify's report: "global batch 8
     sequences = micro 2 x accumulation 2 x world 2" where the product is the global batch, else
     (token budgets, packing: rows per step vary) what the global batch is split into."""
-    batch = cfg.batch
+    batch, layout = cfg.batch, BatchLayout.of(cfg.batch, world_size)
     whole = f"global batch {batch.global_size} sequences"
-    if batch.micro_tokens is None and not batch.pack:
-        accumulation = grad_accum_steps(batch.global_size, batch.micro_size, world_size)
-        return f"{whole} = micro {batch.micro_size} x accumulation {accumulation} x world {world_size}"
+    if not layout.rows_vary:
+        return f"{whole} = micro {batch.micro_size} x accumulation {layout.grad_accum_steps} x world {world_size}"
     budget = (f"microbatches of <= {batch.micro_tokens} padded tokens" if batch.micro_tokens
               else f"{batch.micro_size} rows per microbatch")
     packed = f"packed into rows of {batch.seq_len} tokens, " if batch.pack else "in "
@@ -227,7 +226,7 @@ def keep_sdpa_off_cudnn_if_shapes_change(batches: TrainBatches, max_steps: int, 
     return True
 
 
-def build(cfg, dist_info: DistInfo, *, device: torch.device | None = None, precision: str | None = None,
+def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None = None, precision: str | None = None,
           nonfinite: str | None = None, prepare: Callable[[nn.Module], None] | None = None) -> Built:
     """Everything a run needs, from a validated config. `device`, `precision` and `nonfinite`
     default to the run's; `prepare(model)` runs after the model is built and before the engine

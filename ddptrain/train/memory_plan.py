@@ -14,16 +14,10 @@ allocated: the model is built on the meta device.
   Where the meta run fails, a formula: per layer 34·B·T·d + 5·B·h·T² bytes at 2 bytes per value
   (Korthikanti et al. 2022, "Reducing Activation Recomputation", table 2), scaled to the precision,
   plus the logits (B·T·V, twice: the logits and their log-softmax).
-- Weights, gradients, optimizer state: computed from the counts (bytes per value from
-  trainer.precision; AdamW keeps two moments, SGD none), each strategy's sharding, and these
-  particulars: FSDP/HSDP keep unsharded gradients while microbatches accumulate (no sync); ZeRO
-  keeps an fp32 copy of its partition (DeepSpeed's `single_partition_of_fp32_groups`), its
-  reduce buckets, and FSDP one gathered unit (and the next, prefetched) - under "other".
-- Communication per optimizer step: each collective's payload (the full tensor: an all-gather's
-  output, a reduce-scatter's input), how often (FSDP gathers every microbatch), and the bytes on
-  the wire per rank from the standard ring factors: all-reduce 2(n-1)/n x payload, all-gather and
-  reduce-scatter (n-1)/n x payload (n: the ranks of the collective). HSDP's intra-node (shard) and
-  inter-node (replicate) parts are apart; with bandwidths, the time.
+- Weights, gradients, optimizer state, other buffers and the collectives of one optimizer step:
+  computed from the counts by each registered strategy's `memory_per_rank`
+  (ddptrain/strategies/footprint.py has the units and the ring factors); the plan asks every
+  strategy rather than knowing their particulars. With bandwidths, the time.
 """
 
 from __future__ import annotations
@@ -35,17 +29,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ddptrain.config.choices import PRECISION_DTYPES
-from ddptrain.engine.objective import token_loss_sum
+from ddptrain.config.choices import PRECISION_DTYPES, STRATEGY_NAMES
+from ddptrain.config.schema import TrainConfig
 from ddptrain.contract.outputs import logits_of
+from ddptrain.engine.objective import token_loss_sum
+from ddptrain.strategies import strategy_class
+from ddptrain.strategies.footprint import BYTES_PER_VALUE, MiB, Collective, Layout, ParameterCounts
 
 GiB = 2**30
-MiB = 2**20
-BYTES_PER_VALUE = {"fp64": 8, "fp32": 4, "bf16": 4, "fp16": 4}
-"""Weights (and their gradients and optimizer state) per value: fp64 runs in fp64; the others keep
-fp32 weights and autocast."""
-DEEPSPEED_BUCKETS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7}
-"""DeepSpeed's defaults (elements), unless strategy.deepspeed sets them."""
 ORDER = ("ddp", "zero1", "hsdp", "fsdp", "zero2", "zero3")
 """The pick among those that fit, without bandwidths: least communication across nodes first."""
 
@@ -55,32 +46,6 @@ class Figure:
     bytes: float
     how: str
     """measured | computed"""
-
-
-@dataclass
-class Collective:
-    what: str
-    """e.g. "gradient all-reduce"."""
-    kind: str
-    """all_reduce | reduce_scatter | all_gather"""
-    payload: float
-    """Bytes of the full tensor of one call."""
-    calls: int
-    """Per optimizer step."""
-    ranks: int
-    """The ranks of the collective."""
-    level: str
-    """intra (inside a node) | inter (across nodes)"""
-
-    @property
-    def ring_factor(self) -> float:
-        n = self.ranks
-        return 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
-
-    @property
-    def wire(self) -> float:
-        """Bytes this rank sends per step (ring algorithm)."""
-        return self.payload * self.calls * self.ring_factor
 
 
 @dataclass
@@ -109,33 +74,10 @@ class StrategyPlan:
 
 
 @dataclass
-class ModelCounts:
-    parameters: int
-    trainable: int
-    largest_unit: int
-    """Parameters of the largest shard unit (a transformer block), for FSDP's gathered buffers."""
+class ModelCounts(ParameterCounts):
     activations: Figure
     activation_note: str = ""
     """Why the activations are computed, where the meta run could not measure them."""
-
-
-@dataclass
-class Layout:
-    world_size: int
-    ranks_per_node: int
-    replicate: int
-    """HSDP's replicas (nodes, or strategy.replicate)."""
-    micro_batch_size: int
-    seq_len: int
-    grad_accum_steps: int
-    precision: str
-    optimizer: str
-    reshard_after_forward: bool = True
-    deepspeed: dict = field(default_factory=dict)
-
-    @property
-    def nodes(self) -> int:
-        return max(1, self.world_size // self.ranks_per_node)
 
 
 # -- counting on the meta device -------------------------------------------------------------------
@@ -202,82 +144,16 @@ def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: i
 
 
 def plan_strategies(counts: ModelCounts, layout: Layout) -> list[StrategyPlan]:
-    """Every strategy's plan for this model and layout."""
-    plans = [_plan(name, counts, layout) for name in ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")]
-    for plan in plans:  # a collective over one rank is no call at all (FSDP skips it too)
-        plan.collectives = [c for c in plan.collectives if c.ranks > 1]
+    """Every registered strategy's plan (each one's `memory_per_rank`) for this model and layout."""
+    plans = [StrategyPlan(rank.name, rank.label, computed(rank.weights), computed(rank.gradients),
+                          computed(rank.optimizer_state), counts.activations, computed(rank.other),
+                          [c for c in rank.collectives if c.ranks > 1], rank.notes)  # FSDP skips a one-rank call too
+             for name in STRATEGY_NAMES for rank in strategy_class(name).memory_per_rank(counts, layout)]
     return plans
 
 
 def computed(value: float) -> Figure:
     return Figure(value, "computed")
-
-
-def _plan(name: str, counts: ModelCounts, layout: Layout) -> StrategyPlan:
-    n, b = layout.world_size, BYTES_PER_VALUE[layout.precision]
-    accumulation = layout.grad_accum_steps
-    all_params, trained = counts.parameters * b, counts.trainable * b
-    moments = 2 * trained if layout.optimizer == "adamw" else 0
-    shards = n // layout.replicate if name == "hsdp" else n
-    gathered_level = "intra" if name == "hsdp" or layout.nodes == 1 else "inter"
-    world_level = "intra" if layout.nodes == 1 else "inter"
-    acts = counts.activations
-    label = name if name != "hsdp" else f"hsdp {layout.replicate}x{shards}"
-    notes: list[str] = []
-    if name == "ddp":
-        return StrategyPlan(name, label, computed(all_params), computed(trained), computed(moments), acts, computed(0),
-                            [Collective("gradient all-reduce", "all_reduce", trained, 1, n, world_level)])
-    if name.startswith("zero"):
-        stage = int(name[-1])
-        buckets = {**DEEPSPEED_BUCKETS, **{k: v for k, v in layout.deepspeed.get("zero_optimization", {}).items()
-                                          if k in DEEPSPEED_BUCKETS}}
-        reduce_bucket = min(buckets["reduce_bucket_size"], counts.trainable) * b
-        master = trained / n  # DeepSpeed's fp32 copy of this rank's partition
-        weights = all_params / n if stage == 3 else all_params
-        grads = trained if stage == 1 else trained / n
-        other = master + (reduce_bucket if stage >= 2 else 0)
-        notes.append(f"{name}: other = fp32 partition copy {master / MiB:.1f} MiB"
-                     + (f" + reduce bucket {buckets['reduce_bucket_size']:.0e} elements" if stage >= 2 else "")
-                     + f"; DeepSpeed buckets: reduce {buckets['reduce_bucket_size']:.0e}, allgather "
-                       f"{buckets['allgather_bucket_size']:.0e}"
-                     + (f", stage3 prefetch {buckets['stage3_prefetch_bucket_size']:.0e}" if stage == 3 else "")
-                     + " elements")
-        if stage == 1:
-            comms = [Collective("gradient reduce-scatter", "reduce_scatter", trained, 1, n, world_level),
-                     Collective("parameter all-gather after the update", "all_gather", trained, 1, n, world_level)]
-        elif stage == 2:
-            comms = [Collective("gradient reduce-scatter (every microbatch)", "reduce_scatter", trained,
-                                accumulation, n, world_level),
-                     Collective("parameter all-gather after the update", "all_gather", trained, 1, n, world_level)]
-        else:
-            comms = [Collective("parameter all-gather, forward", "all_gather", all_params, accumulation, n,
-                                world_level),
-                     Collective("parameter all-gather, backward", "all_gather", all_params, accumulation, n,
-                                world_level),
-                     Collective("gradient reduce-scatter (every microbatch)", "reduce_scatter", trained,
-                                accumulation, n, world_level)]
-        return StrategyPlan(name, label, computed(weights), computed(grads), computed(moments / n), acts,
-                            computed(other), comms, notes)
-    # fsdp and hsdp: shard over `shards` ranks; HSDP all-reduces each shard across the replicas
-    grads = trained if accumulation > 1 else trained / shards
-    if accumulation > 1:
-        notes.append(f"{label}: gradients stay unsharded while {accumulation} microbatches accumulate (no sync)")
-    gather_b = 2 if layout.precision == "bf16" else b  # MixedPrecisionPolicy(param_dtype=bf16) gathers bf16
-    gathered = min(2 * counts.largest_unit, counts.parameters) * gather_b  # one unit + the prefetched
-    # fully_shard(model, reshard_after_forward=True) reshards the root unit too (counted on gloo ranks:
-    # the backward gathers every parameter again)
-    backward_gather = counts.parameters * gather_b if layout.reshard_after_forward else 0
-    comms = [Collective("parameter all-gather, forward (every microbatch)", "all_gather",
-                        counts.parameters * gather_b, accumulation, shards, gathered_level)]
-    if backward_gather:
-        comms.append(Collective("parameter all-gather, backward (every microbatch)",
-                                "all_gather", backward_gather, accumulation, shards, gathered_level))
-    comms.append(Collective("gradient reduce-scatter", "reduce_scatter", trained, 1, shards, gathered_level))
-    if name == "hsdp" and layout.replicate > 1:
-        comms.append(Collective("gradient all-reduce of the shards across replicas", "all_reduce", trained / shards,
-                                1, layout.replicate, "inter" if layout.nodes > 1 else "intra"))
-    return StrategyPlan(name, label, computed(all_params / shards), computed(grads), computed(moments / shards), acts,
-                        computed(gathered), comms, notes)
 
 
 def pick(plans: list[StrategyPlan], device_memory: float | None, bandwidth: float | None = None,
@@ -359,16 +235,17 @@ def parse_bytes(text: str) -> float:
 # -- from a config ----------------------------------------------------------------------------------
 
 
-def plan_for_config(cfg, world_size: int, ranks_per_node: int | None = None) -> tuple[list[StrategyPlan], ModelCounts,
-                                                                                   Layout]:
+def plan_for_config(cfg: TrainConfig, world_size: int,
+                    ranks_per_node: int | None = None) -> tuple[list[StrategyPlan], ModelCounts, Layout]:
     """The plans of a validated config on `world_size` ranks, the model built on the meta device
     (the vocabulary from data.vocab_size or the tokenizer file: no data is read)."""
     from omegaconf import OmegaConf
 
-    from ddptrain.config.validation import grad_accum_steps, strategy_options
+    from ddptrain.config.layout import BatchLayout
+    from ddptrain.config.validation import strategy_options
+    from ddptrain.contract.blocks import block_class_names
     from ddptrain.data.tokenizer import load_tokenizer
     from ddptrain.models.adapters import adapter_for
-    from ddptrain.contract.blocks import block_class_names
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     adapter = adapter_for(model_cfg)
@@ -379,7 +256,6 @@ def plan_for_config(cfg, world_size: int, ranks_per_node: int | None = None) -> 
     if cfg.trainer.activation_checkpointing:
         adapter.enable_activation_checkpointing(model)
     batch = cfg.batch
-    fixed = batch.micro_tokens is None and not batch.pack
     # A budget microbatch holds at most micro_tokens padded positions in rows of at most seq_len: planned
     # as whole rows of seq_len that hold them all (rounded up: 48 tokens of rows of 32 may be 3 rows of
     # 16, and the linear layers' activations follow positions; a row's attention is at most seq_len^2).
@@ -391,7 +267,7 @@ def plan_for_config(cfg, world_size: int, ranks_per_node: int | None = None) -> 
     layout = Layout(world_size=world_size, ranks_per_node=min(ranks_per_node, world_size),
                     replicate=nodes if replicate in ("auto", 1) else int(replicate),
                     micro_batch_size=micro_rows, seq_len=batch.seq_len,
-                    grad_accum_steps=grad_accum_steps(batch.global_size, batch.micro_size, world_size) if fixed else 1,
+                    grad_accum_steps=BatchLayout.of(batch, world_size).microbatches_per_step,
                     precision=cfg.trainer.precision, optimizer=cfg.optim.name,
                     reshard_after_forward=bool(options.get("reshard_after_forward", True)),
                     deepspeed=dict(options.get("deepspeed", {}) or {}))

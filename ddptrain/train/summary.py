@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from ddptrain.distributed import DistInfo, is_rank_zero
+from ddptrain.config.schema import TrainConfig
+from ddptrain.distributed import DistInfo, env_local_world_size, env_node_count, is_rank_zero
 from ddptrain.models.spec import num_parameters
 from ddptrain.train.builder import Built, describe_layout
 from ddptrain.train.metrics import MetricsLogger
@@ -17,11 +17,11 @@ from ddptrain.train.memory_plan import format_plan, plan_for_config
 log = logging.getLogger(__name__)
 
 
-def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, step: int, sampled) -> None:
+def log_summary(cfg: TrainConfig, dist_info: DistInfo, built: Built, metrics: MetricsLogger, step: int,
+                sampled) -> None:
     """`sampled`: what a step's global batch draws from (TrainBatches.examples: the packed rows
     under batch.pack, else the training examples)."""
     d, train = dist_info, built.data.train
-    nodes = max(d.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size)), 1)
     if d.device.type == "cuda":
         device = f"{torch.cuda.get_device_name(d.device)} ({d.backend})"
     else:
@@ -29,7 +29,7 @@ def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, 
     window = metrics.window
     peak = f"{window.peak_flops:.3g} FLOP/s per device" if window.peak_flops else "unknown (MFU not reported)"
     mean_targets = train.valid_targets() / len(train)
-    log.info("world: %d rank(s) on %d node(s) | device: %s | peak %s", d.world_size, nodes, device, peak)
+    log.info("world: %d rank(s) on %d node(s) | device: %s | peak %s", d.world_size, env_node_count(), device, peak)
     log.info("strategy: %s | precision %s | %s", cfg.strategy.name, cfg.trainer.precision,
              describe_layout(cfg, d.world_size))
     per_sequence = sampled.valid_targets() / len(sampled)
@@ -54,15 +54,14 @@ def log_summary(cfg, dist_info: DistInfo, built: Built, metrics: MetricsLogger, 
              cfg.logger.wandb.mode, f" (run id {metrics.run_id})" if metrics.run_id else "")
 
 
-def log_memory_plan(cfg, dist_info: DistInfo) -> None:
+def log_memory_plan(cfg: TrainConfig, dist_info: DistInfo) -> None:
     """The memory plan of this config and world (`python -m ddptrain.plan`), built on the meta device.
     A report, not the run: a model the meta device cannot build (a custom factory) gets a warning."""
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist_info.world_size))
     memory = float(torch.cuda.get_device_properties(dist_info.device).total_memory) \
         if dist_info.device.type == "cuda" else None
     try:
         with torch.random.fork_rng(devices=[]):  # the run's random stream stays untouched
-            plans, counts, layout = plan_for_config(cfg, dist_info.world_size, ranks_per_node)
+            plans, counts, layout = plan_for_config(cfg, dist_info.world_size, env_local_world_size())
     except Exception as error:  # noqa: BLE001 - any failure of the report must leave training alone
         log.warning("memory plan unavailable: %s: %s", type(error).__name__, error)
         return

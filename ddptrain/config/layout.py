@@ -1,0 +1,54 @@
+"""The step's layout: how the global batch of one optimizer step splits over ranks and microbatches.
+
+Decided once, from the batch section and the world size, and read by validation, the builder, the
+start-up summary and the memory plan. Either every rank runs the same number of microbatches of
+`batch.micro_size` rows (global = micro x accumulation x world, which must divide), or rows vary:
+a token budget (batch.micro_tokens) or packing (batch.pack) makes the number of microbatches, and
+of rows in them, differ by step and rank, and no accumulation count is fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddptrain.config.schema import BatchConfig, ConfigError
+
+
+def rows_vary(batch: BatchConfig) -> bool:
+    """Whether the microbatches per step (and the rows in them) vary by step and rank."""
+    return batch.micro_tokens is not None or bool(batch.pack)
+
+
+def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """global / (micro x world), or a ConfigError naming the three numbers."""
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"batch.global_size={global_batch_size} must be divisible by batch.micro_size={micro_batch_size} "
+            f"x world size {world_size} = {per_step}"
+        )
+    return global_batch_size // per_step
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The layout of a validated batch section on `world_size` ranks."""
+
+    world_size: int
+    micro_batch_size: int
+    rows_vary: bool
+    grad_accum_steps: int | None
+    """Microbatches per rank per step; None where rows vary."""
+
+    @classmethod
+    def of(cls, batch: BatchConfig, world_size: int) -> BatchLayout:
+        """A ConfigError naming the numbers where fixed rows do not divide the global batch."""
+        varies = rows_vary(batch)
+        accumulation = None if varies else grad_accum_steps(batch.global_size, batch.micro_size, world_size)
+        return cls(world_size, batch.micro_size, varies, accumulation)
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """What a strategy and the memory plan take as accumulation steps: the fixed count, or 1 where
+        rows vary (DeepSpeed's bookkeeping only; the Engine sets the boundary per microbatch)."""
+        return self.grad_accum_steps or 1
