@@ -143,7 +143,7 @@ def _restart_safe_store(timeout: datetime.timedelta) -> dict:
 
     torchrun's agent keeps one TCPStore across worker restarts (TORCHELASTIC_USE_AGENT_STORE=True),
     so a restarted group could read the dead attempt's gloo addresses and wait on them until the
-    timeout (seen here after `--max-restarts=1`). Keys must therefore be private to the attempt, and
+    timeout (after `--max-restarts=1`, for one). Keys must therefore be private to the attempt, and
     no environment variable names the attempt: TORCHELASTIC_RESTART_COUNT counts only failures (a
     restart because a node joined keeps it), and differs between nodes (a joining node starts at 0);
     the agent's rendezvous round never reaches the workers, and MASTER_PORT is the shared store's,

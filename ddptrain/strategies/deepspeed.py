@@ -93,8 +93,8 @@ def _defer_deepspeed_compiles() -> None:
 
     `deepspeed.initialize` imports its Muon optimizer on every ZeRO stage, Muon or not (to ask
     `isinstance(optimizer, MuonWithAuxAdam)`), and that module applies `@compiler.compile()` to its
-    kernels at import: `torch.compile(fn)` loads TorchInductor there and then, 1.5 to 2 s of CPU
-    per rank at every start (the kernels themselves compile at their first call either way). In
+    kernels at import: `torch.compile(fn)` loads TorchInductor there and then, seconds of CPU per
+    rank at every start (docs/benchmarks.md; the kernels compile at their first call either way). In
     DeepSpeed 0.19 only those kernels use `compiler.compile`; deferring the wrapper changes when
     Inductor is loaded, nothing that runs. A no-op once the Muon module is imported (its kernels
     are wrapped already).
@@ -225,7 +225,7 @@ def _disable_shm_comm_op(deepspeed) -> None:
     DeepSpeed's TorchBackend builds it (`build_shm_op`, a ninja C++ build into the torch
     extensions dir) whenever the CPU accelerator is active, although only
     `inference_all_reduce` uses it. Every rank of a fresh machine then compiles it at once,
-    which costs ~30 s and was seen to kill a rank with SIGABRT. Training never uses it, so we mark
+    which is slow and can kill a rank with SIGABRT. Training never uses it, so we mark
     the op incompatible in DeepSpeed's op table (a module-level dict that DeepSpeed caches and
     reads in build_shm_op) before DeepSpeed's comm backend starts.
     """

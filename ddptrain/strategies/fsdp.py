@@ -1,28 +1,20 @@
 """PyTorch FSDP2 (`fully_shard`): weights, gradients and optimizer state sharded over ranks.
 
 The exact objective needs summed gradients and one gradient reduction per step:
+`set_gradient_divide_factor(1.0)` makes the reduce-scatter SUM instead of averaging, and
+`set_requires_gradient_sync(False)` on non-final microbatches accumulates unsharded gradients that
+are reduce-scattered once, in the last microbatch's backward. Forwards all-gather weights in every
+microbatch, so ranks with fewer microbatches run fillers (the Engine does). The global gradient norm
+comes from the sharded gradients (DTensors) and clipping scales the shards.
 
-- `set_gradient_divide_factor(1.0)`: FSDP's reduce-scatter SUMS instead of averaging over ranks.
-- `set_requires_gradient_sync(False)` on non-final microbatches: gradients accumulate unsharded
-  on each rank and are reduce-scattered once, in the last microbatch's backward.
+HSDP (`replicate` R > 1, or "auto": the number of nodes): a 2-D mesh of R replicas x world/R shards
+(ddptrain.distributed.device_mesh); FSDP2 shards within a replica and all-reduces the shards across
+replicas. Both collectives SUM and both are skipped on non-final microbatches; weight all-gathers stay
+inside a node.
 
-Every forward all-gathers each sharded module's weights (and, with `reshard_after_forward`, the
-backward gathers them again): collectives in every microbatch, so ranks with fewer microbatches
-run fillers (the Engine does). The global gradient norm is computed from the sharded gradients
-(DTensors) and clipping scales the shards. Checkpoints are the neutral layout (Strategy.save, a
-torch.distributed.checkpoint directory): each rank writes its shards, and any strategy on any
-number of ranks resumes from it. Checkpoints from before the neutral layout were the same.
-
-HSDP (`replicate` R > 1, or "auto": the number of nodes): a 2-D mesh of R replicas x world/R
-shards (ddptrain.distributed.device_mesh), on which FSDP2 shards within a replica (one node's
-ranks) and all-reduces the reduce-scattered shards across replicas. Both collectives SUM (divide
-factor 1, forced SUM reduction), both are skipped on non-final microbatches
-(`set_requires_gradient_sync`), and the parameter all-gathers stay inside a node. Checkpoints are
-the same neutral layout: DCP reshards a 2-D mesh's DTensors to any other mesh or strategy.
-
-Frozen parameters (model.lora's base) are sharded like the others and get no gradient; a shard
-unit may mix frozen and trained ones (FSDP2 allows it). With `save_frozen` False, checkpoints
-leave them out (DCP's `ignore_frozen_params`): the adapter and its optimizer state only.
+Checkpoints are the neutral layout (Strategy.save, a DCP directory) that any strategy on any number of
+ranks resumes from. Frozen parameters (model.lora's base) are sharded like the others and get no
+gradient; with `save_frozen` False checkpoints leave them out (DCP's `ignore_frozen_params`).
 """
 
 from __future__ import annotations
