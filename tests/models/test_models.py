@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ddptrain
-from ddptrain.models.build import ModelError
+from ddptrain.models.spec import ModelError
 from tests.helpers import (TINY_RUN, finished_run, import_deepspeed, import_optional, read_metrics, run_cli,
                            save_bpe_tokenizer)
 
