@@ -381,3 +381,18 @@ def test_pyproject_ships_every_sub_package():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {".".join(path.parent.relative_to(REPO).parts) for path in PACKAGE.rglob("__init__.py")}
     assert packages - listed == set(), f"pyproject.toml's [tool.setuptools] packages misses {sorted(packages - listed)}"
+
+
+# -- tests/ ------------------------------------------------------------------------------------
+
+
+def test_every_test_module_in_tests_system_is_marked_system():
+    """tests/system/ holds what needs root and changes the machine: its `pytestmark` carries the
+    `system` marker, so that `-m "not system"` leaves every one of its tests out."""
+    unmarked = []
+    for path in sorted((REPO / "tests" / "system").glob("test_*.py")):
+        marks = [ast.unparse(node.value) for node in ast.parse(path.read_text()).body
+                 if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)]
+        if not any("pytest.mark.system" in mark for mark in marks):
+            unmarked.append(path.name)
+    assert not unmarked, f"tests/system/ modules without pytestmark = pytest.mark.system: {', '.join(unmarked)}"
