@@ -45,16 +45,18 @@ MODELS = ("gpt", "llama")
 
 
 def _build(kind: str, n_layer: int, n_embd: int, seq_len: int, vocab: int, directory: str):
-    from ddptrain.models.build import build_model
+    from ddptrain.models.adapters import adapter_for
 
     if kind == "gpt":
-        return build_model({"name": "gpt", "n_layer": n_layer, "n_head": 4, "n_embd": n_embd}, vocab, seq_len)
+        model_cfg = {"name": "gpt", "n_layer": n_layer, "n_head": 4, "n_embd": n_embd}
+        return adapter_for(model_cfg).build(model_cfg, vocab, seq_len)
     import transformers
 
     transformers.LlamaConfig(vocab_size=vocab, hidden_size=n_embd, intermediate_size=int(n_embd * 8 / 3) // 8 * 8,
                              num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=seq_len, use_cache=False).save_pretrained(directory)
-    return build_model({"name": "hf", "path": directory, "attn_implementation": "sdpa"}, vocab, seq_len)
+    model_cfg = {"name": "hf", "path": directory, "attn_implementation": "sdpa"}
+    return adapter_for(model_cfg).build(model_cfg, vocab, seq_len)
 
 
 def _peak_rss_bytes() -> int:

@@ -115,10 +115,10 @@ def engine_loop(model_dir: Path, seq_len: int, packed: bool):
     import torch
 
     import ddptrain
-    from ddptrain.models.adapters import adapter_of
-    from ddptrain.models.build import build_model
+    from ddptrain.models.adapters import adapter_for, adapter_of
 
-    model, spec = build_model({"name": "hf", "path": str(model_dir), "attn_implementation": "sdpa"}, 256, seq_len)
+    model_cfg = {"name": "hf", "path": str(model_dir), "attn_implementation": "sdpa"}
+    model, spec = adapter_for(model_cfg).build(model_cfg, 256, seq_len)
     if packed:
         adapter_of(spec).use_attention(model, "gather", forced=True)  # trainer.attention=auto on CPU
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)

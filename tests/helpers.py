@@ -73,6 +73,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def write_earlier_run(run_dir) -> dict[str, bytes]:
+    """A run dir as an earlier run left it: a checkpoint, final/ and metrics; returns file -> bytes."""
+    files = {"checkpoints/step_00000002/trainer.pt": b"weights", "final/model.safetensors": b"final",
+             "metrics.jsonl": b'{"step": 1}\n'}
+    for name, data in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(data)
+    return files
+
+
 def keeping_mtimes(directory: Path, change) -> None:
     """Run `change()`, then give every file of `directory` the mtime it had before, as a copy with
     `cp -p` or `rsync -a` of other contents over it would."""
@@ -84,6 +94,23 @@ def keeping_mtimes(directory: Path, change) -> None:
 
 TINY_RUN = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.max_docs=40", "trainer.log_every=1",
             "optim.warmup_steps=2", "trainer.eval_examples=8"]
+SMALL_RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2"]
+"""TINY_RUN on 8 rows of 64 tokens a step, 2 rows a microbatch."""
+RESUME_RUN = [*SMALL_RUN, "optim.schedule=constant", "trainer.eval_examples=4"]
+"""SMALL_RUN with a constant LR, so that a run of N steps and the first N steps of a longer run are the same run."""
+MODEL_RUN = [override for override in TINY_RUN if not override.startswith("model.")] + ["batch.global_size=8"]
+"""TINY_RUN's data, logging and schedule for a model that the test chooses (no model.* sizes)."""
+VERIFY_RUN = ["data.max_docs=40", "batch.seq_len=48", "batch.global_size=8", "optim.warmup_steps=1"]
+"""The default model (4 layers, 128 wide) on short sequences: a quick `python -m ddptrain.verify`."""
+
+
+def straight_run(tmp_path_factory, name: str, overrides: list[str], nproc: int = 2) -> Path:
+    """The uninterrupted reference that a resumed, restarted or resharded run is compared with:
+    `overrides` trained from start to end on `nproc` ranks, in a fresh run dir."""
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    result = run_cli([*overrides, f"run.dir={run_dir}"], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return run_dir
 
 
 # -- optional dependencies ------------------------------------------------------------------------

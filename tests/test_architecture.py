@@ -1,5 +1,6 @@
-"""The architecture as tests: ddptrain's import graph has no cycle, config is the bottom layer,
-`import ddptrain` stays light, and docs/architecture.md draws every module there is.
+"""The architecture as tests: ddptrain's import graph has no cycle, among modules or among folders;
+contract/ and config/ are the bottom layers; serving/ and export.py read runs without the training
+loop; `import ddptrain` stays light; and docs/architecture.md draws every module there is.
 
 The import graph is read from the source with `ast`, not by importing: every `import` and
 `from ... import` statement anywhere in a file (inside functions, `if` blocks and `if TYPE_CHECKING:`
@@ -8,7 +9,9 @@ when there is one, else to `ddptrain/pkg/__init__.py`. The packages that Python 
 (`ddptrain/__init__.py` for every `ddptrain.x`) are not edges: a sub-module that reaches its parent
 package's `__init__` is not a cycle by itself, but an `__init__` that imports a module which
 imports that `__init__` back is. Module names given to `importlib.import_module` as strings (the
-strategy registry's lazy imports) are data, not edges.
+strategy registry's lazy imports) are data, not edges. The folder graph folds the module graph: a
+sub-package (`ddptrain/engine/`) or a module at the top of the package (`ddptrain/export.py`) is one
+node, and an arrow between two nodes stands for every statement that imports across them.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def import_graph() -> dict[str, dict[str, int]]:
     return graph
 
 
-def _strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+def _strongly_connected(graph: dict[str, dict]) -> list[list[str]]:
     """Tarjan's strongly connected components, iteratively (no recursion limit)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -130,7 +133,7 @@ def _strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return components
 
 
-def _shortest_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+def _shortest_cycle(graph: dict[str, dict], component: list[str]) -> list[str]:
     """A shortest cycle through the component's first module, as [a, b, ..., a]."""
     members = set(component)
     start = component[0]
@@ -165,6 +168,40 @@ def import_cycles() -> list[list[str]]:
     return sorted(cycles)
 
 
+def folder_of(module: str) -> str:
+    """The folder-level node of a module: its sub-package (`ddptrain.engine` for `ddptrain.engine.stats`),
+    or the module itself at the top of the package (`ddptrain.export`; `ddptrain` is its __init__.py)."""
+    return ".".join(module.split(".")[:2])
+
+
+@cache
+def folder_graph() -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """{folder: {imported folder: [(importing module, imported module), ...]}}: the import graph with
+    each folder as one node; imports inside a folder are not arrows."""
+    graph: dict[str, dict[str, list[tuple[str, str]]]] = {folder_of(name): {} for name in _modules()}
+    for importer, targets in import_graph().items():
+        for target in targets:
+            if folder_of(importer) != folder_of(target):
+                graph[folder_of(importer)].setdefault(folder_of(target), []).append((importer, target))
+    return graph
+
+
+def _describe_folders(chain: list[str]) -> str:
+    """`a -> b -> a` between folders and, below each arrow, every statement behind it."""
+    graph, modules = folder_graph(), import_graph()
+    lines = ["  " + " -> ".join(chain)]
+    for a, b in zip(chain, chain[1:]):
+        lines.append(f"    {a} -> {b}:")
+        lines += [f"      {_relative(_modules()[importer])}:{modules[importer][target]} imports {target}"
+                  for importer, target in graph[a][b]]
+    return "\n".join(lines)
+
+
+def folder_cycles() -> list[list[str]]:
+    graph = folder_graph()
+    return sorted(_shortest_cycle(graph, c) for c in _strongly_connected(graph) if len(c) > 1)
+
+
 def test_the_import_graph_reads_every_module():
     """Guards the checks below: relative imports resolve, and the known edges are there."""
     graph = import_graph()
@@ -181,6 +218,23 @@ def test_no_import_cycle():
     assert not cycles, (f"{len(cycles)} import cycle(s) in ddptrain (a shortest cycle per group of modules that "
                         "import each other; imports inside functions count):\n"
                         + "\n".join(_describe(graph, cycle) for cycle in cycles))
+
+
+def test_the_folder_graph_folds_the_import_graph():
+    """Guards the folder checks: one node per sub-package and top-level module, arrows only across."""
+    graph = folder_graph()
+    assert {"ddptrain", "ddptrain.engine", "ddptrain.contract", "ddptrain.export", "ddptrain.train"} <= set(graph)
+    assert not any(folder in targets for folder, targets in graph.items())
+    assert any(importer == "ddptrain.train.trainer" for importer, _ in graph["ddptrain.train"]["ddptrain.engine"])
+
+
+def test_no_import_cycle_among_folders():
+    """No cycle among ddptrain's folders (sub-packages and top-level modules), counting imports inside
+    functions: two folders that each import the other are one knot, even when their files are not."""
+    cycles = folder_cycles()
+    assert not cycles, (f"{len(cycles)} import cycle(s) among ddptrain's folders (a shortest cycle per group of "
+                        "folders that import each other; imports inside functions count):\n"
+                        + "\n".join(_describe_folders(cycle) for cycle in cycles))
 
 
 def _chain_to(graph: dict[str, dict[str, int]], start: str, is_target) -> list[str] | None:
@@ -204,18 +258,41 @@ def _chain_to(graph: dict[str, dict[str, int]], start: str, is_target) -> list[s
     return None
 
 
-def _is_above_config(name: str) -> bool:
-    return any(name == layer or name.startswith(layer + ".") for layer in ABOVE_CONFIG)
+def _in(name: str, folders: tuple[str, ...]) -> bool:
+    return folder_of(name) in folders
+
+
+def _chains(sources: tuple[str, ...], is_target) -> list[list[str]]:
+    """For every module in `sources` (folders) that reaches a module for which `is_target` holds,
+    directly or through other modules, the shortest such chain."""
+    graph = import_graph()
+    return [chain for name in sorted(graph) if _in(name, sources)
+            if (chain := _chain_to(graph, name, is_target)) is not None]
 
 
 def test_config_is_the_bottom_layer():
     """ddptrain/config/ reaches none of engine, strategies, train and models, directly or through
     another module: the config is built and validated before any of them exists."""
-    graph = import_graph()
-    chains = [chain for name in sorted(graph) if name == "ddptrain.config" or name.startswith("ddptrain.config.")
-              if (chain := _chain_to(graph, name, _is_above_config)) is not None]
+    chains = _chains(("ddptrain.config",), lambda name: _in(name, ABOVE_CONFIG))
     assert not chains, ("ddptrain/config/ must import nothing from " + ", ".join(ABOVE_CONFIG) + ":\n"
-                        + "\n".join(_describe(graph, chain) for chain in chains))
+                        + "\n".join(_describe(import_graph(), chain) for chain in chains))
+
+
+def test_contract_imports_nothing_else_of_ddptrain():
+    """ddptrain/contract/ is the vocabulary every layer shares (the ignore index, logits, document
+    boundaries, blocks): below everything, so any layer may import it without a cycle."""
+    chains = _chains(("ddptrain.contract",), lambda name: not _in(name, ("ddptrain.contract",)))
+    assert not chains, ("ddptrain/contract/ must import nothing else of ddptrain:\n"
+                        + "\n".join(_describe(import_graph(), chain) for chain in chains))
+
+
+def test_serving_and_export_do_not_import_the_training_loop():
+    """A run directory is read through ddptrain/runs/: serving/ and export.py reach nothing in
+    ddptrain/train/, directly or through another module."""
+    chains = _chains(("ddptrain.serving", "ddptrain.export"), lambda name: _in(name, ("ddptrain.train",)))
+    assert not chains, ("ddptrain/serving/ and ddptrain/export.py must import nothing from ddptrain/train/ "
+                        "(read runs through ddptrain/runs/):\n"
+                        + "\n".join(_describe(import_graph(), chain) for chain in chains))
 
 
 # -- what `import ddptrain` loads -------------------------------------------------------------
@@ -304,3 +381,18 @@ def test_pyproject_ships_every_sub_package():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {".".join(path.parent.relative_to(REPO).parts) for path in PACKAGE.rglob("__init__.py")}
     assert packages - listed == set(), f"pyproject.toml's [tool.setuptools] packages misses {sorted(packages - listed)}"
+
+
+# -- tests/ ------------------------------------------------------------------------------------
+
+
+def test_every_test_module_in_tests_system_is_marked_system():
+    """tests/system/ holds what needs root and changes the machine: its `pytestmark` carries the
+    `system` marker, so that `-m "not system"` leaves every one of its tests out."""
+    unmarked = []
+    for path in sorted((REPO / "tests" / "system").glob("test_*.py")):
+        marks = [ast.unparse(node.value) for node in ast.parse(path.read_text()).body
+                 if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)]
+        if not any("pytest.mark.system" in mark for mark in marks):
+            unmarked.append(path.name)
+    assert not unmarked, f"tests/system/ modules without pytestmark = pytest.mark.system: {', '.join(unmarked)}"

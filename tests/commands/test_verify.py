@@ -17,10 +17,8 @@ from ddptrain.models import GPT, GPTConfig
 from ddptrain.testing import run_distributed
 from ddptrain.verify import (Report, StepComparison, compose_config, disable_dropout, equivalence_caveats,
                              format_report, log_equivalence_caveats, main, relative_difference, verify)
-from tests.helpers import REPO
+from tests.helpers import REPO, VERIFY_RUN
 
-# The default model (4 layers, 128 wide) on short sequences: a few seconds per layout on one core.
-SMALL = ["data.max_docs=40", "batch.seq_len=48", "batch.global_size=8", "optim.warmup_steps=1"]
 BATCHNORM = ["model=custom", "model._target_=tests.commands.test_verify.make_batchnorm_lm"]
 
 
@@ -52,7 +50,7 @@ def _verify(overrides: list[str], steps: int = 2, **options):
     ["batch.pack=true", "batch.micro_size=4"],  # packed rows, attention per document
 ], ids=["accumulate", "token_budget", "packed"])
 def test_the_default_model_agrees_to_1e_9_in_fp64(layout):
-    report = _verify([*SMALL, *layout])
+    report = _verify([*VERIFY_RUN, *layout])
     assert report.precision == "fp64" and report.tolerance == 1e-9
     assert report.caveats == [] and report.dropout_disabled == []
     assert report.agrees, format_report(report)
@@ -68,7 +66,7 @@ def _verify_on_rank(overrides: list[str]):
 
 @pytest.mark.slow
 def test_two_ranks_with_accumulation_agree_with_one_process():
-    results = run_distributed(_verify_on_rank, 2, [*SMALL, "batch.micro_size=2"])
+    results = run_distributed(_verify_on_rank, 2, [*VERIFY_RUN, "batch.micro_size=2"])
     for layout, agrees, worst in results:
         assert "micro 2 x accumulation 2 x world 2" in layout
         assert agrees and worst <= 1e-9, worst
@@ -76,17 +74,17 @@ def test_two_ranks_with_accumulation_agree_with_one_process():
 
 
 def test_batchnorm_makes_the_layout_differ_and_is_named():
-    report = _verify([*BATCHNORM, *SMALL, "batch.micro_size=2"])
+    report = _verify([*BATCHNORM, *VERIFY_RUN, "batch.micro_size=2"])
     assert not report.agrees and report.worst > 1e-6
     assert len(report.caveats) == 1 and report.caveats[0].startswith("batch-dependent: norm (BatchNorm1d)")
     text = format_report(report)
     assert "verdict: DIFFERENT" in text and "batch-dependent modules above" in text
     # With the whole global batch in one microbatch the same model agrees: the layout made the difference.
-    assert _verify([*BATCHNORM, *SMALL, "batch.micro_size=8"]).agrees
+    assert _verify([*BATCHNORM, *VERIFY_RUN, "batch.micro_size=8"]).agrees
 
 
 def test_dropout_is_named_and_turned_off_for_the_comparison():
-    report = _verify([*SMALL, "model.n_layer=1", "model.dropout=0.1", "batch.micro_size=4"])
+    report = _verify([*VERIFY_RUN, "model.n_layer=1", "model.dropout=0.1", "batch.micro_size=4"])
     named = " ".join(report.caveats)
     assert all(caveat.startswith("stochastic: ") for caveat in report.caveats)
     for module in ("drop (Dropout)", "blocks.0.attn (CausalSelfAttention) drops activations with dropout=0.1",
@@ -126,11 +124,11 @@ def test_the_trainer_hook_warns_once_on_rank_zero(caplog):
 
 def test_cli_exit_codes_say_agree_differ_or_bad_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--steps", "1", *BATCHNORM, *SMALL, "batch.micro_size=2"])
+        main(["--steps", "1", *BATCHNORM, *VERIFY_RUN, "batch.micro_size=2"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 1 and "verdict: DIFFERENT" in out and "norm (BatchNorm1d)" in out
     with pytest.raises(SystemExit) as exit_info:
-        main([*SMALL, "batch.micro_size=3"])
+        main([*VERIFY_RUN, "batch.micro_size=3"])
     assert exit_info.value.code == 2
     assert "batch.global_size=8 must be divisible by batch.micro_size=3 x world size 1" in capsys.readouterr().err
 
@@ -138,7 +136,7 @@ def test_cli_exit_codes_say_agree_differ_or_bad_config(capsys):
 @pytest.mark.slow
 def test_cli_under_torchrun_prints_one_report_that_agrees():
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "ddptrain.verify", "--steps", "2", *SMALL, "batch.micro_size=2"]
+               "ddptrain.verify", "--steps", "2", *VERIFY_RUN, "batch.micro_size=2"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -160,7 +158,7 @@ def test_fp16_on_the_configured_device_agrees(capsys):
     gradient near zero that fp16 rounds to the other sign differs by 2 lr in the weights, which says
     nothing about the objective (bf16 with AdamW shows the same)."""
     with pytest.raises(SystemExit) as exited:
-        main(["--steps", "2", *SMALL, "batch.micro_size=2", "optim=sgd", "trainer.precision=fp16", "--device",
+        main(["--steps", "2", *VERIFY_RUN, "batch.micro_size=2", "optim=sgd", "trainer.precision=fp16", "--device",
               "configured"])
     output = capsys.readouterr().out
     assert exited.value.code == 0, output

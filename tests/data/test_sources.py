@@ -586,7 +586,7 @@ def test_bad_input_fails_on_every_rank_before_training(tmp_path):
 def test_max_docs_counts_data_paths_and_data_val_paths_each(tmp_path):
     """data.max_docs=N keeps N documents of data.paths and N of data.val_paths (as data=tokens does):
     the training files no longer use up the count before the validation files are read."""
-    from tests.data.test_sft import _chats, _tokenizer_dir, _write_jsonl
+    from tests.data.chats import random_chats, save_chat_tokenizer, write_jsonl
 
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"text": f"train {i} " * 4}) + "\n" for i in range(50)))
@@ -596,8 +596,9 @@ def test_max_docs_counts_data_paths_and_data_val_paths_each(tmp_path):
                      cache_dir=str(tmp_path / "cache"))
     data = load_splits(cfg, SEQ_LEN, local_rank=0)
     assert (data.train.documents, data.val.documents) == (20, 10)
-    chats, held_out = _write_jsonl(tmp_path / "c.jsonl", _chats(30)), _write_jsonl(tmp_path / "v.jsonl", _chats(6, 1))
+    chats = write_jsonl(tmp_path / "c.jsonl", random_chats(30))
+    held_out = write_jsonl(tmp_path / "v.jsonl", random_chats(6, 1))
     sft = DataConfig(name="sft", paths=[chats], val_paths=[held_out], max_docs=12, cache_dir=str(tmp_path / "cache"),
-                     tokenizer=str(_tokenizer_dir(tmp_path / "tok") / "tokenizer.json"))
+                     tokenizer=str(save_chat_tokenizer(tmp_path / "tok") / "tokenizer.json"))
     data = load_splits(sft, 128, local_rank=0)
     assert (data.train.documents, data.val.documents) == (12, 6)

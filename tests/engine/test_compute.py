@@ -10,8 +10,8 @@ from torch import nn
 
 import ddptrain
 from ddptrain.models.compiling import compile_model
-from ddptrain.models.build import ModelError, ModelSpec, build_model
-from ddptrain.models.adapters import enable_activation_checkpointing
+from ddptrain.models.adapters import adapter_for, enable_activation_checkpointing
+from ddptrain.models.spec import ModelError, ModelSpec
 from ddptrain.contract.targets import IGNORE_INDEX
 from tests.helpers import SEQ, VOCAB, import_optional, microbatch, relative_difference
 
@@ -62,7 +62,7 @@ def count_block_calls(model: nn.Module) -> list[int]:
 def sgd_step(model_cfg: dict, checkpointing: bool) -> tuple[float, dict, dict, int]:
     """One fp64 Engine step with SGD(lr=1): the update is minus the gradient of the global objective."""
     torch.manual_seed(0)
-    model, spec = build_model(model_cfg, VOCAB, SEQ)
+    model, spec = adapter_for(model_cfg).build(model_cfg, VOCAB, SEQ)
     if checkpointing:
         enable_activation_checkpointing(model, spec)
     calls = count_block_calls(model)
@@ -110,7 +110,7 @@ def test_custom_model_needs_gradient_checkpointing_enable():
 def train_losses(compiled: bool, steps: int) -> tuple[list[float], list[bool]]:
     """fp32 AdamW steps with clipping on ragged microbatches whose width changes (a recompile)."""
     torch.manual_seed(0)
-    model, _ = build_model(GPT_CFG, VOCAB, SEQ)
+    model, _ = adapter_for(GPT_CFG).build(GPT_CFG, VOCAB, SEQ)
     tracing = []  # torch.compiler.is_compiling() as seen by a block's forward hook
     blocks_of(model)[0].register_forward_hook(lambda *_: tracing.append(torch.compiler.is_compiling()))
     if compiled:

@@ -11,28 +11,8 @@ import ddptrain
 from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.engine.objective import token_loss_sum
 from ddptrain.testing import run_distributed
+from tests.engine.reference import CASES, all_microbatches, case_microbatches, reference_step, update
 from tests.helpers import microbatch, relative_difference, tiny_gpt
-
-# rank -> microbatches, each (rows, valid target count per row, seed). Ranks hold different numbers
-# of microbatches with very different valid-token counts; one microbatch has no valid target.
-CASES = {
-    "ragged_with_empty_microbatch": {
-        0: [(2, [12, 3], 1), (1, [0], 2), (3, [5, 12, 1], 3)],
-        1: [(2, [7, 2], 4), (2, [12, 12], 5)],
-    },
-    "rank_without_valid_targets": {
-        0: [(2, [12, 4], 6), (2, [9, 1], 7)],
-        1: [(2, [0, 0], 8), (1, [0], 9)],
-    },
-}
-
-
-def case_microbatches(case: str, rank: int):
-    return [microbatch(rows, lengths, seed) for rows, lengths, seed in CASES[case][rank]]
-
-
-def all_microbatches(case: str):
-    return [mb for rank in sorted(CASES[case]) for mb in case_microbatches(case, rank)]
 
 
 def _engine_step(case: str):
@@ -40,26 +20,6 @@ def _engine_step(case: str):
     engine = ddptrain.Engine(model, torch.optim.SGD(model.parameters(), lr=1.0), "ddp", precision="fp64")
     stats = engine.step(case_microbatches(case, ddptrain.get_rank()))
     return stats, engine.model_state_dict()
-
-
-def reference_step(microbatches, naive: bool = False):
-    """One process, one SGD(lr=1) step on the global mean-token loss (or the naive mean of means)."""
-    model = tiny_gpt(torch.float64)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    sums = [token_loss_sum(model(x), y) for x, y in microbatches]
-    counts = [int((y != IGNORE_INDEX).sum()) for _, y in microbatches]
-    if naive:  # what averaging per-microbatch means does (empty microbatches dropped, else NaN)
-        means = [s / c for s, c in zip(sums, counts) if c > 0]
-        loss = torch.stack(means).mean()
-    else:
-        loss = torch.stack(sums).sum() / sum(counts)
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=1.0).step()
-    return float(loss.detach()), sum(counts), before, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def update(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in after}
 
 
 def _two_rank_scenarios() -> dict:

@@ -12,6 +12,7 @@ import ddptrain
 from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.engine.objective import Objective, token_loss_sum
 from ddptrain.testing import run_distributed
+from tests.engine.reference import reference_step as shared_reference_step, update
 from tests.helpers import TINY_RUN, VOCAB, microbatch, read_metrics, relative_difference, run_cli, tiny_gpt
 
 SMOOTHING, Z_LOSS = 0.1, 1e-3
@@ -148,24 +149,10 @@ def _engine_step_on_this_rank(label_smoothing: float, z_loss: float):
 
 
 def reference_step(label_smoothing: float, z_loss: float, naive: bool = False):
-    """One process that saw every microbatch: SGD(lr=1) on sum(objective) / N_t, by hand.
-
-    naive=True takes the mean of per-microbatch means instead (empty microbatches dropped)."""
-    model = tiny_gpt(torch.float64)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    sums = [hand_token_sum(model(x), y, label_smoothing, z_loss) for x, y in all_microbatches()]
-    counts = [int((y != IGNORE_INDEX).sum()) for _, y in all_microbatches()]
-    if naive:
-        loss = torch.stack([s / c for s, c in zip(sums, counts) if c > 0]).mean()
-    else:
-        loss = torch.stack(sums).sum() / sum(counts)
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=1.0).step()
-    return float(loss.detach()), sum(counts), before, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def update(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in after}
+    """One process that saw every microbatch: SGD(lr=1) on sum(objective) / N_t, the objective by hand
+    (naive=True: the mean of per-microbatch means instead)."""
+    return shared_reference_step(all_microbatches(), naive,
+                                 lambda logits, targets: hand_token_sum(logits, targets, label_smoothing, z_loss))
 
 
 def test_engine_in_one_process_minimises_the_objective_mean():

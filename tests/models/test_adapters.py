@@ -11,7 +11,6 @@ from torch import nn
 
 from ddptrain.models.adapters import CustomAdapter, GPTAdapter, HFAdapter, adapter_for, adapter_of
 from ddptrain.contract.blocks import block_class_names, transformer_blocks
-from ddptrain.models.build import build_model
 from ddptrain.models.compiling import compile_model
 from ddptrain.models.spec import ModelError, ModelSpec
 from ddptrain.strategies.fsdp import default_shard_modules
@@ -59,7 +58,7 @@ def test_adapter_for_refuses_an_unknown_name():
 
 def test_adapter_of_a_spec_is_the_adapter_that_built_it():
     for model_cfg in (GPT_CFG, CONV_CFG):
-        _, spec = build_model(model_cfg, VOCAB, SEQ)
+        _, spec = adapter_for(model_cfg).build(model_cfg, VOCAB, SEQ)
         assert type(adapter_of(spec)) is type(adapter_for(model_cfg))
     assert adapter_of(spec).target == "tests.toy_models.make_conv_lm"
     assert isinstance(adapter_of(ModelSpec(kind="hf", config={}, vocab_size=VOCAB, max_seq_len=SEQ)), HFAdapter)
@@ -96,15 +95,15 @@ def test_tokenizer_defaults_and_files_per_kind(tmp_path):
 
 
 def test_check_model_refuses_packing_and_a_too_long_context(tmp_path):
-    conv, _ = build_model(CONV_CFG, VOCAB, SEQ)
+    conv, _ = adapter_for(CONV_CFG).build(CONV_CFG, VOCAB, SEQ)
     adapter_for(CONV_CFG).check_model(conv, CONV_CFG, SEQ, pack=False)
     with pytest.raises(ModelError, match="batch.pack=true needs a model whose forward takes positions= and "
                                          "segments=.*CausalConvLM.forward does not"):
         adapter_for(CONV_CFG).check_model(conv, CONV_CFG, SEQ, pack=True)
-    gpt, _ = build_model(GPT_CFG, VOCAB, SEQ)
+    gpt, _ = adapter_for(GPT_CFG).build(GPT_CFG, VOCAB, SEQ)
     adapter_for(GPT_CFG).check_model(gpt, GPT_CFG, SEQ, pack=True)
     hf_cfg = {"name": "hf", "path": tiny_llama_dir(tmp_path / "llama", max_positions=SEQ)}
-    llama, spec = build_model(hf_cfg, VOCAB, SEQ)
+    llama, spec = adapter_for(hf_cfg).build(hf_cfg, VOCAB, SEQ)
     assert spec.kind == "hf" and spec.hf_config["model_type"] == "llama"
     adapter_for(hf_cfg).check_model(llama, hf_cfg, SEQ, pack=True)  # the probe: sdpa honours the mask
     with pytest.raises(ModelError, match=rf"batch.seq_len={SEQ + 1} exceeds the model's context of {SEQ} "
@@ -125,7 +124,7 @@ def _trained_weights(model: nn.Module) -> None:
 @pytest.mark.parametrize("model_cfg", [GPT_CFG, CONV_CFG], ids=["gpt", "custom"])
 def test_save_final_loads_back_with_equal_weights(model_cfg, tmp_path):
     torch.manual_seed(0)
-    model, spec = build_model(model_cfg, VOCAB, SEQ)
+    model, spec = adapter_for(model_cfg).build(model_cfg, VOCAB, SEQ)
     _trained_weights(model)
     adapter = adapter_of(spec)
     directory = tmp_path / "weights"
@@ -150,7 +149,7 @@ def test_a_final_dir_written_before_the_adapters_still_loads(tmp_path):
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    model, _ = build_model(GPT_CFG, VOCAB, SEQ)
+    model, _ = adapter_for(GPT_CFG).build(GPT_CFG, VOCAB, SEQ)
     _trained_weights(model)
     final = tmp_path / "final"
     final.mkdir()
@@ -180,7 +179,7 @@ def _assert_everyone_uses(model: nn.Module, blocks: list[nn.Module], class_name:
 
 
 def test_the_gpt_blocks():
-    model, _ = build_model(GPT_CFG, VOCAB, SEQ)
+    model, _ = adapter_for(GPT_CFG).build(GPT_CFG, VOCAB, SEQ)
     _assert_everyone_uses(model, list(model.blocks), "Block")
 
 
@@ -197,7 +196,7 @@ def test_the_blocks_of_a_transformers_gpt2():
 
 
 def test_a_model_without_a_list_of_blocks_has_none_and_compiles_whole():
-    model, _ = build_model(CONV_CFG, VOCAB, SEQ)
+    model, _ = adapter_for(CONV_CFG).build(CONV_CFG, VOCAB, SEQ)
     assert transformer_blocks(model) == [] and default_shard_modules(model) == set()
     compile_model(model)
     assert _compiled(model) == [model]

@@ -666,7 +666,7 @@ def test_trainer_attention_is_validated_before_the_process_group():
 
 @pytest.mark.parametrize("backend", ["gather", "mask"])
 def test_a_packed_step_reads_nothing_back_from_the_device(backend):
-    from tests.engine.test_host_syncs import host_syncs
+    from tests.engine.syncs import host_syncs
 
     model = packed_gpt(torch.float32, backend)
     engine = ddptrain.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "ddp")
@@ -681,7 +681,7 @@ def test_a_packed_step_reads_nothing_back_from_the_device(backend):
 @needs_cuda
 @pytest.mark.parametrize("backend", ["gather", "varlen", "flex"])
 def test_a_packed_step_makes_no_host_sync_on_cuda(backend):
-    from tests.engine.test_host_syncs import device_syncs
+    from tests.engine.syncs import device_syncs
 
     model = packed_gpt(torch.float32, backend, "cuda", n_embd=64)
     engine = ddptrain.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), "ddp",

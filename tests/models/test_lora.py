@@ -29,7 +29,8 @@ from ddptrain.runs.store import CheckpointError
 from ddptrain.runs.weights import save_final
 from ddptrain.train.optim import build_optimizer
 from ddptrain.runs.resume import check_base_weights
-from tests.helpers import import_deepspeed, import_optional, keeping_mtimes, read_metrics, run_cli, save_bpe_tokenizer
+from tests.helpers import (MODEL_RUN, import_deepspeed, import_optional, keeping_mtimes, read_metrics, run_cli,
+                           save_bpe_tokenizer)
 
 # peft's from_pretrained still asks transformers 5 for the renamed `is_gradient_checkpointing`
 # (ddptrain's own calls to peft silence it in ddptrain.models.lora).
@@ -39,8 +40,7 @@ transformers = import_optional("transformers")
 peft = import_optional("peft")
 
 VOCAB, SEQ = 300, 64
-RUN = ["data.max_docs=40", "trainer.log_every=1", "optim.warmup_steps=2", "trainer.eval_examples=8",
-       f"batch.seq_len={SEQ}", "batch.global_size=8"]
+RUN = [*MODEL_RUN, f"batch.seq_len={SEQ}"]
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

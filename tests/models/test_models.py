@@ -10,14 +10,13 @@ import pytest
 import torch
 
 import ddptrain
-from ddptrain.models.build import ModelError
-from tests.helpers import (TINY_RUN, finished_run, import_deepspeed, import_optional, read_metrics, run_cli,
-                           save_bpe_tokenizer)
+from ddptrain.models.spec import ModelError
+from tests.helpers import (MODEL_RUN, TINY_RUN, finished_run, import_deepspeed, import_optional, read_metrics,
+                           run_cli, save_bpe_tokenizer)
 
 transformers = import_optional("transformers")
 
-RUN = ["data.max_docs=40", "trainer.log_every=1", "optim.warmup_steps=2", "trainer.eval_examples=8",
-       "batch.seq_len=64", "batch.global_size=8"]
+RUN = [*MODEL_RUN, "batch.seq_len=64"]
 FP64 = ["trainer.precision=fp64"]
 
 

@@ -12,9 +12,8 @@ import torch
 from ddptrain.models.spec import ModelError
 from ddptrain.train.builder import build_model
 from ddptrain.verify import compose_config, main
-from tests.helpers import VOCAB, import_optional
+from tests.helpers import VERIFY_RUN, VOCAB, import_optional
 
-SMALL = ["data.max_docs=40", "batch.seq_len=48", "batch.global_size=8", "optim.warmup_steps=1"]
 RESHAPED = ["model=custom", "model._target_=tests.toy_models.make_reshaped_lm"]
 
 
@@ -40,11 +39,11 @@ def test_a_factory_that_raises_is_a_model_error_in_training_and_verify(capsys, m
     with pytest.raises(ModelError, match=r"make_raising_lm raised ValueError: no model for a vocabulary of 32"):
         build_model(cfg, VOCAB)
     with pytest.raises(SystemExit) as exit_info:
-        main(["--steps", "1", *SMALL, "model=custom", "model._target_=tests.toy_models.make_raising_lm"])
+        main(["--steps", "1", *VERIFY_RUN, "model=custom", "model._target_=tests.toy_models.make_raising_lm"])
     assert exit_info.value.code == 2, "verify's docs: 2 for a bad model, 1 only for DIFFERENT"
     assert "raised ValueError: no model for a vocabulary" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        main(["--steps", "1", *SMALL, *RESHAPED, "+model.how=v_minus_1"])
+        main(["--steps", "1", *VERIFY_RUN, *RESHAPED, "+model.how=v_minus_1"])
     assert exit_info.value.code == 2 and "the model contract" in capsys.readouterr().err
 
 

@@ -16,13 +16,12 @@ import torch
 
 from ddptrain.runs import store as ckpt
 from ddptrain.testing import free_port
-from tests.helpers import REPO, TINY_RUN, import_deepspeed, read_metrics, run_cli
+from tests.helpers import REPO, RESUME_RUN, import_deepspeed, read_metrics, run_cli, straight_run
 
 pytestmark = pytest.mark.slow
 
 # Constant LR so that a run of N steps and the first N steps of a longer run are the same run.
-RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2", "optim.schedule=constant",
-       "trainer.eval_examples=4", "dist.timeout_s=60"]
+RUN = [*RESUME_RUN, "dist.timeout_s=60"]
 
 
 def final_weights(run_dir, step: int) -> dict[str, torch.Tensor]:
@@ -56,9 +55,8 @@ def train(run_dir, *overrides, nproc=2, env=None, torchrun_args=(), check=True):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted reference: 2 ranks, 12 steps, checkpoints every 3."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    train(run_dir, "trainer.max_steps=12", "checkpoint.every=3", "checkpoint.keep=5")
-    return run_dir
+    return straight_run(tmp_path_factory, "straight", [*RUN, "trainer.max_steps=12", "checkpoint.every=3",
+                                                       "checkpoint.keep=5"])
 
 
 def test_resume_is_bitwise_exact(straight, tmp_path):

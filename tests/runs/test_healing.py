@@ -14,7 +14,7 @@ import torch
 import ddptrain
 from ddptrain.runs import store as ckpt
 from ddptrain.runs.weights import SPEC_FILE, final_dir, weights_dir
-from tests.helpers import TINY_RUN, run_cli
+from tests.helpers import RESUME_RUN, run_cli
 
 
 def _save(run_dir, step: int, value: float = 1.0):
@@ -74,8 +74,7 @@ def test_a_final_dir_that_does_not_verify_names_the_file(tmp_path):
         weights_dir(tmp_path)
 
 
-RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2", "optim.schedule=constant",
-       "trainer.eval_examples=4", "checkpoint.every=2"]
+RUN = [*RESUME_RUN, "checkpoint.every=2"]
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """A run directory nobody can corrupt: its lock, workers that die with their launcher, a fresh
-start that moves an earlier run aside, config changes on resume, a full disk, rank-local errors."""
+start that moves an earlier run aside, config changes on resume, rank-local errors. Full and
+read-only filesystems, which need root to mount, are in tests/system/test_filesystems.py."""
 
 from __future__ import annotations
 
@@ -19,9 +20,7 @@ import torch
 
 from ddptrain.runs import store as ckpt
 from ddptrain.runs.lock import LOCK, RunDirLock, RunDirLocked
-from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
-
-SMALL = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2"]
+from tests.helpers import REPO, SMALL_RUN, read_metrics, run_cli, write_earlier_run
 
 
 def _start(args: list[str], nproc: int, env: dict | None = None) -> subprocess.Popen:
@@ -90,10 +89,10 @@ def test_lock_names_a_live_holder_and_takes_over_stale_ones(tmp_path):
 @pytest.mark.slow
 def test_a_second_launch_on_a_live_run_dir_fails_at_start_up(tmp_path):
     run_dir = tmp_path / "run"
-    first = _start([*SMALL, "trainer.max_steps=100000", f"run.dir={run_dir}"], nproc=2)
+    first = _start([*SMALL_RUN, "trainer.max_steps=100000", f"run.dir={run_dir}"], nproc=2)
     try:
         _wait_for(lambda: _logged_steps(run_dir) >= 1, 120, "the first run's first step")
-        second = run_cli([*SMALL, "trainer.max_steps=100000", f"run.dir={run_dir}"], nproc=2)
+        second = run_cli([*SMALL_RUN, "trainer.max_steps=100000", f"run.dir={run_dir}"], nproc=2)
         assert second.returncode != 0 and "exitcode  : 2" in second.stderr, second.stderr[-3000:]
         assert f"run.dir {run_dir} is in use by another run: host {socket.gethostname()}" in second.stderr
         assert first.poll() is None, "the first run goes on"
@@ -112,7 +111,7 @@ def test_a_second_launch_on_a_live_run_dir_fails_at_start_up(tmp_path):
 @pytest.mark.slow
 def test_workers_do_not_outlive_torchrun_and_the_next_launch_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    launcher = _start([*SMALL, "trainer.max_steps=400", f"run.dir={run_dir}"], nproc=2)
+    launcher = _start([*SMALL_RUN, "trainer.max_steps=400", f"run.dir={run_dir}"], nproc=2)
     try:
         _wait_for(lambda: _logged_steps(run_dir) >= 2, 120, "two steps")
         os.kill(launcher.pid, signal.SIGKILL)  # torchrun alone: its workers get the parent-death signal
@@ -124,7 +123,7 @@ def test_workers_do_not_outlive_torchrun_and_the_next_launch_resumes(tmp_path):
     stopped_at = len(read_metrics(run_dir))
     assert stopped_at < 400
     # They took the parent's death as a preemption: a checkpoint at a step boundary, then exit.
-    resumed = run_cli([*SMALL, "trainer.max_steps=400", "trainer.log_every=50", f"run.dir={run_dir}"], nproc=2,
+    resumed = run_cli([*SMALL_RUN, "trainer.max_steps=400", "trainer.log_every=50", f"run.dir={run_dir}"], nproc=2,
                       timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "in use by another run" not in resumed.stderr
@@ -133,7 +132,7 @@ def test_workers_do_not_outlive_torchrun_and_the_next_launch_resumes(tmp_path):
 @pytest.mark.slow
 def test_a_rank_stuck_in_a_collective_exits_when_torchrun_stops_it(tmp_path):
     run_dir = tmp_path / "run"
-    launcher = _start([*SMALL, "trainer.max_steps=50", "checkpoint.preempt_grace_s=3", "dist.timeout_s=300",
+    launcher = _start([*SMALL_RUN, "trainer.max_steps=50", "checkpoint.preempt_grace_s=3", "dist.timeout_s=300",
                        f"run.dir={run_dir}"], nproc=2, env={"DDPTRAIN_FAILPOINT": "hang@3:1"})
     try:
         _wait_for(lambda: _logged_steps(run_dir) >= 2, 120, "two steps")
@@ -156,7 +155,7 @@ def test_a_rank_stuck_in_a_collective_exits_when_torchrun_stops_it(tmp_path):
 @pytest.mark.slow
 def test_a_fresh_start_moves_the_earlier_run_aside_and_keeps_its_own_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
-    base = [*SMALL, f"run.dir={run_dir}", "checkpoint.keep=1"]
+    base = [*SMALL_RUN, f"run.dir={run_dir}", "checkpoint.keep=1"]
     assert run_cli([*base, "trainer.max_steps=6", "checkpoint.every=2"]).returncode == 0
     fresh = run_cli([*base, "trainer.max_steps=2", "checkpoint.every=1", "checkpoint.resume=none"])
     assert fresh.returncode == 0, fresh.stderr[-3000:]
@@ -188,7 +187,7 @@ def test_purge_never_deletes_the_checkpoint_just_written(tmp_path):
 @pytest.mark.slow
 def test_resume_refuses_changed_keys_by_name_and_applies_a_new_learning_rate(tmp_path):
     run_dir = tmp_path / "run"
-    base = [*SMALL, f"run.dir={run_dir}", "optim.schedule=constant", "optim.warmup_steps=0"]
+    base = [*SMALL_RUN, f"run.dir={run_dir}", "optim.schedule=constant", "optim.warmup_steps=0"]
     assert run_cli([*base, "trainer.max_steps=2"]).returncode == 0
     config_before = (run_dir / "config.yaml").read_text()
     for change, expected in [("run.seed=7", "run.seed: 1234 -> 7"), ("model.n_embd=64", "model.n_embd: 32 -> 64"),
@@ -206,37 +205,9 @@ def test_resume_refuses_changed_keys_by_name_and_applies_a_new_learning_rate(tmp
 
 @pytest.mark.slow
 def test_resume_from_a_path_that_does_not_exist_says_so(tmp_path):
-    result = run_cli([*SMALL, f"run.dir={tmp_path}", f"checkpoint.resume={tmp_path / 'nope'}", "trainer.max_steps=1"])
+    result = run_cli([*SMALL_RUN, f"run.dir={tmp_path}", f"checkpoint.resume={tmp_path / 'nope'}",
+                      "trainer.max_steps=1"])
     assert result.returncode == 2 and f"{tmp_path / 'nope'} does not exist" in result.stderr
-
-
-# -- a full disk ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root and mount rights): {made.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-
-
-@pytest.mark.slow
-def test_a_full_disk_names_the_path_on_every_rank_and_keeps_the_previous_checkpoint(small_tmpfs):
-    run_dir = small_tmpfs / "run"
-    # ~0.43M parameters: the first checkpoint (weights + AdamW state, ~5 MB) fits in 8 MB, the second does not.
-    result = run_cli([*SMALL, "model.n_embd=128", "model.n_layer=2", "model.n_head=4", "trainer.max_steps=4",
-                      "checkpoint.every=2", f"run.dir={run_dir}"], nproc=2)
-    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-3000:]  # torchrun exits 1
-    for rank in (0, 1):
-        assert f"rank{rank} error] checkpoint error:" in result.stderr, result.stderr[-3000:]
-    assert "No space left on device (ENOSPC)" in result.stderr and str(run_dir / "checkpoints") in result.stderr
-    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [2]
-    ckpt.verify(ckpt.checkpoint_dir(run_dir) / ckpt.step_name(2))
-    assert not list(ckpt.checkpoint_dir(run_dir).glob(".tmp-*")), "the partial directory is removed"
 
 
 # -- durable renames ------------------------------------------------------------------------------
@@ -277,24 +248,13 @@ def test_a_rename_that_publishes_fsyncs_what_it_names_before_and_the_parent_afte
     assert fsyncs[1][0] == str(tmp_path) and "metrics.jsonl.tmp" not in fsyncs[1][1], "run.dir after the rename"
 
 
-
-def _earlier_run(run_dir) -> dict[str, bytes]:
-    """A run dir as an earlier run left it: a checkpoint, final/ and metrics; returns file -> bytes."""
-    files = {"checkpoints/step_00000002/trainer.pt": b"weights", "final/model.safetensors": b"final",
-             "metrics.jsonl": b'{"step": 1}\n'}
-    for name, data in files.items():
-        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        (run_dir / name).write_bytes(data)
-    return files
-
-
 def test_moving_an_earlier_run_aside_fsyncs_what_it_moves_before_and_both_parents_after(tmp_path, monkeypatch):
     """previous/ gets the earlier run by fsutil.rename, like every rename that moves data out of sight:
     the moved file's data and the moved directories' entries at their old place first, then run.dir
     (the names gone) and previous/<time>/ (the names there)."""
     from ddptrain.runs.lock import move_previous_run_aside
 
-    files = _earlier_run(tmp_path)
+    files = write_earlier_run(tmp_path)
     fsyncs = _record_fsyncs(monkeypatch)
     target = move_previous_run_aside(tmp_path, "a fresh start")
     assert {name: (target / name).read_bytes() for name in files} == files
@@ -322,13 +282,13 @@ def test_runs_move_aside_into_a_previous_dir_on_another_filesystem(tmp_path):
         run_dir = tmp_path / "run"
         run_dir.mkdir()
         (run_dir / "previous").symlink_to(elsewhere)
-        files = _earlier_run(run_dir)
+        files = write_earlier_run(run_dir)
         target = move_previous_run_aside(run_dir, "a fresh start")
         assert target.resolve().parent == elsewhere.resolve()
         assert {name: (target / name).read_bytes() for name in files} == files
         assert sorted(p.name for p in run_dir.iterdir()) == ["previous"]
 
-        files = _earlier_run(run_dir)
+        files = write_earlier_run(run_dir)
         aside = move_abandoned_aside(run_dir, [run_dir / "checkpoints" / "step_00000002", run_dir / "final"])
         assert {name: (aside / name).read_bytes() for name in files} == files, "moved, and metrics.jsonl copied"
         assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "metrics.jsonl", "previous"]
@@ -350,7 +310,7 @@ def test_a_complete_copy_whose_original_cannot_be_removed_is_named_and_the_rest_
         pytest.skip("needs a writable /dev/shm on another filesystem than the test's tmp_path")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    files = _earlier_run(run_dir)
+    files = write_earlier_run(run_dir)
     files["final/config.json"] = b"{}"
     (run_dir / "final" / "config.json").write_bytes(files["final/config.json"])
     pinned = run_dir / "final" / "model.safetensors"
@@ -388,7 +348,7 @@ def test_an_earlier_run_that_cannot_be_moved_aside_is_a_run_dir_error_on_every_r
     before anything moves; every rank reports the run.dir error and exits 2, none waits at the
     barrier for the timeout, and the earlier run is untouched."""
     run_dir = tmp_path / "run"
-    base = [*SMALL, f"run.dir={run_dir}", "trainer.max_steps=2", "checkpoint.every=2"]
+    base = [*SMALL_RUN, f"run.dir={run_dir}", "trainer.max_steps=2", "checkpoint.every=2"]
     assert run_cli(base).returncode == 0
     (run_dir / "previous").write_text("not a directory")
     before = _files_of(run_dir)
@@ -406,58 +366,6 @@ def test_an_earlier_run_that_cannot_be_moved_aside_is_a_run_dir_error_on_every_r
     after = _files_of(run_dir)
     del after["train.log"], before["train.log"]  # the refused launch logs its error there
     assert after == before, "the earlier run is where it was, byte for byte"
-
-
-def test_a_move_aside_that_fails_half_way_moves_back_what_it_moved(tmp_path):
-    """final/ a mount point (rename: EBUSY, for root too): checkpoints/ was already moved to
-    previous/<time>/ when final/ failed; it goes back, previous/<time>/ goes, and the RunDirError
-    names final/ and the cause. The same for an abandoned trajectory."""
-    from ddptrain.runs.lock import RunDirError, move_abandoned_aside, move_previous_run_aside
-
-    files = _earlier_run(tmp_path)
-    (tmp_path / "final" / "model.safetensors").unlink()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp_path / "final")],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root and mount rights): {made.stderr.strip()}")
-    try:
-        (tmp_path / "final" / "model.safetensors").write_bytes(files["final/model.safetensors"])
-        for move_aside in (lambda: move_previous_run_aside(tmp_path, "a fresh start"),
-                           lambda: move_abandoned_aside(tmp_path, [tmp_path / "checkpoints" / "step_00000002",
-                                                                   tmp_path / "final"])):
-            with pytest.raises(RunDirError) as raised:
-                move_aside()
-            message = str(raised.value)
-            assert f"moving {tmp_path / 'final'}" in message and "(EBUSY)" in message, message
-            assert "Nothing was moved: the earlier data is where it was." in message, message
-            assert {name: (tmp_path / name).read_bytes() for name in files} == files
-            assert list((tmp_path / "previous").iterdir()) == [], "no half-filled previous/<time>/"
-    finally:
-        subprocess.run(["umount", "-l", str(tmp_path / "final")], capture_output=True)
-
-
-def test_a_copy_to_a_full_previous_dir_elsewhere_is_removed_and_the_earlier_run_stays(small_tmpfs, tmp_path):
-    """previous/ a link to a small filesystem: the cross-device copy of checkpoints/ (the first thing
-    moved) fails half way with ENOSPC; the partial copy is removed, and the earlier run stays whole
-    in run.dir."""
-    from ddptrain.runs.lock import RunDirError, move_previous_run_aside
-
-    if small_tmpfs.stat().st_dev == tmp_path.stat().st_dev:
-        pytest.skip("needs the tmpfs on another filesystem than tmp_path")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "previous").symlink_to(small_tmpfs)
-    files = _earlier_run(run_dir)
-    big = "checkpoints/step_00000002/model.pt"
-    files[big] = os.urandom(12 << 20)  # more than the 8 MB tmpfs holds
-    (run_dir / big).write_bytes(files[big])
-    with pytest.raises(RunDirError) as raised:
-        move_previous_run_aside(run_dir, "a fresh start")
-    message = str(raised.value)
-    assert f"moving {run_dir / 'checkpoints'}" in message and "No space left on device" in message, message
-    assert "Nothing was moved: the earlier data is where it was." in message, message
-    assert {name: (run_dir / name).read_bytes() for name in files} == files
-    assert list(small_tmpfs.iterdir()) == [], "no partial copy is left in previous/"
 
 
 # -- checkpoints at scale -------------------------------------------------------------------------
@@ -577,7 +485,7 @@ def test_a_token_file_of_only_end_of_document_tokens_is_refused_in_bounded_memor
 @pytest.mark.slow
 def test_a_single_document_corpus_does_not_blame_val_percent(tmp_path):
     (tmp_path / "one.txt").write_text("just one document")
-    result = run_cli([*SMALL, "data=text", f"data.paths=[{tmp_path / 'one.txt'}]", "data.val_percent=0",
+    result = run_cli([*SMALL_RUN, "data=text", f"data.paths=[{tmp_path / 'one.txt'}]", "data.val_percent=0",
                       "trainer.max_steps=1", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert result.returncode == 2 and "needs one to train on and one for validation" in result.stderr
     assert "val_percent" not in result.stderr.split("data error:")[1]

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TINY_RUN, import_deepspeed, read_metrics, run_cli
+from tests.helpers import REPO, RESUME_RUN, import_deepspeed, read_metrics, run_cli, straight_run
 
 pytestmark = pytest.mark.slow
 
-RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2", "optim.schedule=constant",
-       "trainer.eval_examples=4", "dist.timeout_s=60", "checkpoint.every=2"]
+RUN = [*RESUME_RUN, "dist.timeout_s=60", "checkpoint.every=2"]
 LEGACY = REPO / "tests" / "fixtures" / "legacy_checkpoints.tar.gz"
 """Runs of 4 steps written by ddptrain before checkpoints were strategy-neutral (ddp on 2 ranks in
 fp64, zero2 on 2 ranks in fp32), with RUN's settings and checkpoint.every=4."""
@@ -48,9 +47,8 @@ def assert_same_curve(losses: list[float], reference: list[float], tolerance: fl
 def straight(tmp_path_factory, name: str, steps: int, precision: str) -> Path:
     """ddp on 2 ranks from step 1 to `steps`, every checkpoint kept: the reference curve, and the
     first leg of a chain (`prefix`)."""
-    run_dir = tmp_path_factory.mktemp(name) / "run"
-    train(run_dir, steps, "ddp", 2, precision, f"checkpoint.keep={steps // 2}")
-    return run_dir
+    return straight_run(tmp_path_factory, name, [*RUN, f"trainer.max_steps={steps}", "strategy=ddp",
+                                                 f"trainer.precision={precision}", f"checkpoint.keep={steps // 2}"])
 
 
 def prefix(straight_dir: Path, steps: int, run_dir: Path) -> Path:

@@ -15,7 +15,7 @@ from ddptrain.strategies import state as neutral
 from ddptrain.testing import run_distributed
 from ddptrain.train.optim import build_optimizer
 from tests.helpers import import_deepspeed, relative_difference, tiny_gpt
-from tests.engine.test_engine import all_microbatches, case_microbatches
+from tests.engine.reference import all_microbatches, case_microbatches
 
 RAGGED = "ragged_with_empty_microbatch"
 ZERO_OPTIONS = {"micro_batch_size": 3, "grad_accum_steps": 3}

@@ -13,8 +13,8 @@ from ddptrain.config.schema import ConfigError
 from ddptrain.distributed import replicate_degree
 from ddptrain.testing import record_collectives, run_distributed
 from tests.helpers import microbatch, read_metrics, relative_difference, run_cli, tiny_gpt
-from tests.engine.test_engine import reference_step, update
-from tests.strategies.test_strategies import BASE, _curve, _ragged_corpus, _same
+from tests.engine.reference import reference_step, update
+from tests.strategies.curves import RAGGED_RUN, assert_same_curves, loss_curve, ragged_corpus
 
 FOUR_RANKS = {  # ragged rows, an all-ignored microbatch, and rank 3 with one microbatch fewer
     0: [(2, [12, 3], 1), (1, [0], 2), (3, [5, 12, 1], 3)],
@@ -91,23 +91,24 @@ def test_hsdp_layouts_and_an_hsdp_checkpoint_resumed_on_fewer_ranks_and_ddp_give
     HSDP 2x2 x micro 1 for steps 1-2, fsdp on 2 ranks (replicate=auto: one node, so 1x2) for
     steps 3-4, HSDP 4x1 (replicas only) for step 5, ddp on 1 rank for step 6. The same losses
     (fp64, 1e-9): DCP reshards the 2-D mesh's DTensors to every other mesh and to ddp."""
-    straight = _curve(tmp_path, "ddp", 1, [*FP64, "batch.micro_size=8"])
-    fsdp = _curve(tmp_path, "fsdp4", 4, [*FP64, "strategy=fsdp", "batch.micro_size=1"])
+    straight = loss_curve(tmp_path, "ddp", 1, [*FP64, "batch.micro_size=8"])
+    fsdp = loss_curve(tmp_path, "fsdp4", 4, [*FP64, "strategy=fsdp", "batch.micro_size=1"])
     moved = tmp_path / "moved"
     for ranks, args in ((4, [*HSDP, "batch.micro_size=1", "trainer.max_steps=2"]),
                         (2, ["strategy=fsdp", "strategy.replicate=auto", "batch.micro_size=1", "trainer.max_steps=4"]),
                         (4, ["strategy=fsdp", "strategy.replicate=4", "batch.micro_size=2", "trainer.max_steps=5"]),
                         (1, ["strategy=ddp", "batch.micro_size=8"])):
-        result = run_cli([*BASE, *_ragged_corpus(tmp_path), *FP64, *args, f"run.dir={moved}"], nproc=ranks)
+        result = run_cli([*RAGGED_RUN, *ragged_corpus(tmp_path), *FP64, *args, f"run.dir={moved}"], nproc=ranks)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "trainer.max_steps=2" in args or "resumed from" in result.stderr, result.stderr[-3000:]
     assert [m["step"] for m in read_metrics(moved)] == [m["step"] for m in straight]
-    _same({"ddp 1x8": straight, "fsdp 4x1": fsdp, "hsdp 2x2 -> fsdp 1x2 -> hsdp 4x1 -> ddp 1": read_metrics(moved)},
-          1e-9)
+    assert_same_curves({"ddp 1x8": straight, "fsdp 4x1": fsdp,
+                        "hsdp 2x2 -> fsdp 1x2 -> hsdp 4x1 -> ddp 1": read_metrics(moved)}, 1e-9)
 
 
 @pytest.mark.slow
 def test_hsdp_on_packed_rows_equals_one_rank(tmp_path):
     packed = ["batch.pack=true", "batch.micro_size=1"]
-    _same({"ddp pack 1x8": _curve(tmp_path, "ddp", 1, [*FP64, "batch.pack=true", "batch.micro_size=8"]),
-           "hsdp pack 2x2 x 1": _curve(tmp_path, "hsdp", 4, [*FP64, *HSDP, *packed])}, 1e-9)
+    curves = {"ddp pack 1x8": loss_curve(tmp_path, "ddp", 1, [*FP64, "batch.pack=true", "batch.micro_size=8"]),
+              "hsdp pack 2x2 x 1": loss_curve(tmp_path, "hsdp", 4, [*FP64, *HSDP, *packed])}
+    assert_same_curves(curves, 1e-9)

@@ -13,7 +13,8 @@ import ddptrain
 from ddptrain.testing import run_distributed
 from tests.helpers import (TINY_RUN, import_deepspeed, read_metrics, relative_difference, requires_deepspeed, run_cli,
                            tiny_gpt)
-from tests.engine.test_engine import CASES, all_microbatches, case_microbatches, reference_step, update
+from tests.strategies.curves import assert_same_curves, loss_curve
+from tests.engine.reference import all_microbatches, case_microbatches, reference_step, update
 
 RAGGED = "ragged_with_empty_microbatch"  # rank 1 holds one microbatch fewer than rank 0
 
@@ -88,61 +89,28 @@ def test_ranks_with_one_microbatch_fewer_equal_one_process_in_fp32(strategy):
 
 # -- through the CLI ------------------------------------------------------------------------------
 
-BASE = [*TINY_RUN, "batch.global_size=8", "batch.seq_len=128", "trainer.max_steps=6"]
-
-
-def _ragged_corpus(tmp_path) -> list[str]:
-    """Paragraphs of 20 to 400 characters: most examples are shorter than seq_len."""
-    corpus = tmp_path / "corpus.txt"
-    if not corpus.exists():
-        gen = torch.Generator().manual_seed(0)
-        words = ["tensor", "rank", "token", "gradient", "step", "loss", "model", "batch", "sum", "mean"]
-        paragraphs = []
-        for _ in range(300):
-            length = int(torch.randint(4, 60, (1,), generator=gen))
-            paragraphs.append(" ".join(words[int(i)] for i in torch.randint(0, len(words), (length,), generator=gen)))
-        corpus.write_text("\n\n".join(paragraphs))
-    return ["data=text", f"data.paths=[{corpus}]", "data.split_by=paragraph", f"data.cache_dir={tmp_path / 'cache'}"]
-
-
-def _curve(tmp_path, name: str, ranks: int, args: list[str]) -> list[dict]:
-    run_dir = tmp_path / name
-    result = run_cli([*BASE, *_ragged_corpus(tmp_path), *args, f"run.dir={run_dir}"], nproc=ranks)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_metrics(run_dir)
-
-
-def _same(curves: dict, tolerance: float) -> None:
-    (ref_name, reference), *others = curves.items()
-    assert any(m["tokens"] < 8 * 128 for m in reference), "no ragged step: the test would not show the objective"
-    for name, curve in others:
-        assert [m["tokens"] for m in curve] == [m["tokens"] for m in reference], name
-        for mine, ref in zip(curve, reference):
-            assert math.isclose(mine["loss"], ref["loss"], rel_tol=tolerance), (name, ref_name, mine["step"])
-
-
 @pytest.mark.slow
 def test_fsdp_layouts_give_the_same_loss_curve_in_fp64(tmp_path):
     fp64 = ["trainer.precision=fp64"]
-    curves = {"ddp 1x8": _curve(tmp_path, "ddp", 1, [*fp64, "batch.micro_size=8"]),
-              "fsdp 1x4": _curve(tmp_path, "fsdp1", 1, [*fp64, "strategy=fsdp", "batch.micro_size=4"]),
-              "fsdp 2x2": _curve(tmp_path, "fsdp2", 2, [*fp64, "strategy=fsdp", "batch.micro_size=2"]),
-              "fsdp 2x1 no reshard": _curve(tmp_path, "fsdp3", 2, [*fp64, "strategy=fsdp", "batch.micro_size=1",
-                                                                     "strategy.reshard_after_forward=false"]),
-              "fsdp budget": _curve(tmp_path, "fsdp4", 2, [*fp64, "strategy=fsdp", "batch.micro_tokens=256"])}
-    _same(curves, 1e-9)
-    packed = {"ddp pack 1x8": _curve(tmp_path, "pack-ddp", 1, [*fp64, "batch.pack=true", "batch.micro_size=8"]),
-              "fsdp pack 2x1": _curve(tmp_path, "pack-fsdp", 2, [*fp64, "strategy=fsdp", "batch.pack=true",
-                                                                 "batch.micro_size=1"])}
-    _same(packed, 1e-9)
+    curves = {"ddp 1x8": loss_curve(tmp_path, "ddp", 1, [*fp64, "batch.micro_size=8"]),
+              "fsdp 1x4": loss_curve(tmp_path, "fsdp1", 1, [*fp64, "strategy=fsdp", "batch.micro_size=4"]),
+              "fsdp 2x2": loss_curve(tmp_path, "fsdp2", 2, [*fp64, "strategy=fsdp", "batch.micro_size=2"]),
+              "fsdp 2x1 no reshard": loss_curve(tmp_path, "fsdp3", 2, [*fp64, "strategy=fsdp", "batch.micro_size=1",
+                                                                          "strategy.reshard_after_forward=false"]),
+              "fsdp budget": loss_curve(tmp_path, "fsdp4", 2, [*fp64, "strategy=fsdp", "batch.micro_tokens=256"])}
+    assert_same_curves(curves, 1e-9)
+    packed = {"ddp pack 1x8": loss_curve(tmp_path, "pack-ddp", 1, [*fp64, "batch.pack=true", "batch.micro_size=8"]),
+              "fsdp pack 2x1": loss_curve(tmp_path, "pack-fsdp", 2, [*fp64, "strategy=fsdp", "batch.pack=true",
+                                                                      "batch.micro_size=1"])}
+    assert_same_curves(packed, 1e-9)
 
 
 @pytest.fixture(scope="module")
 def ddp_budget_curves(tmp_path_factory) -> dict:
     """ddp's curves on 2 ranks with a token budget, unpacked and packed: the zero runs' references."""
     tmp_path = tmp_path_factory.mktemp("ddp_budget")  # the zero runs use its corpus too
-    return {"dir": tmp_path, "ddp budget": _curve(tmp_path, "ddp", 2, ["batch.micro_tokens=160"]),
-            "ddp pack": _curve(tmp_path, "ddp-pack", 2, ["batch.pack=true", "batch.micro_tokens=384"])}
+    return {"dir": tmp_path, "ddp budget": loss_curve(tmp_path, "ddp", 2, ["batch.micro_tokens=160"]),
+            "ddp pack": loss_curve(tmp_path, "ddp-pack", 2, ["batch.pack=true", "batch.micro_tokens=384"])}
 
 
 @pytest.mark.slow
@@ -151,13 +119,14 @@ def ddp_budget_curves(tmp_path_factory) -> dict:
 def test_token_budgets_and_packing_run_under_zero(strategy, ddp_budget_curves):
     tmp_path = ddp_budget_curves["dir"]
     curves = {"ddp budget": ddp_budget_curves["ddp budget"],
-              f"{strategy} budget": _curve(tmp_path, strategy, 2, [f"strategy={strategy}", "batch.micro_tokens=160"])}
-    _same(curves, 2e-5)
+              f"{strategy} budget": loss_curve(tmp_path, strategy, 2,
+                                               [f"strategy={strategy}", "batch.micro_tokens=160"])}
+    assert_same_curves(curves, 2e-5)
     assert curves[f"{strategy} budget"][-1]["filler_microbatches"] > 0, "the budget layout must be ragged in counts"
     packed = {"ddp pack": ddp_budget_curves["ddp pack"],
-              f"{strategy} pack": _curve(tmp_path, f"{strategy}-pack", 2, [f"strategy={strategy}", "batch.pack=true",
-                                                                           "batch.micro_tokens=384"])}
-    _same(packed, 2e-5)
+              f"{strategy} pack": loss_curve(tmp_path, f"{strategy}-pack", 2,
+                                             [f"strategy={strategy}", "batch.pack=true", "batch.micro_tokens=384"])}
+    assert_same_curves(packed, 2e-5)
 
 
 def test_an_unknown_shard_module_is_refused_before_the_process_group_naming_the_classes_there_are(tmp_path):

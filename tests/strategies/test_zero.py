@@ -24,8 +24,8 @@ from ddptrain.engine.objective import token_loss_sum
 from ddptrain.testing import run_distributed
 from tests.helpers import (TINY_RUN, microbatch, read_metrics, relative_difference, requires_deepspeed, run_cli,
                            tiny_gpt)
-from tests.engine.test_engine import CASES as DDP_CASES
-from tests.engine.test_engine import reference_step, update
+from tests.engine.reference import CASES as DDP_CASES
+from tests.engine.reference import reference_step, update
 
 # rank -> microbatches (rows, valid targets per row, seed): the same NUMBER on each rank (ZeRO 2/3
 # communicate in every microbatch), very different valid-token counts, one microbatch without any.

@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 README = REPO / "README.md"
 
+pytestmark = pytest.mark.system
+
 
 @dataclass(frozen=True)
 class Instruction:

@@ -12,7 +12,6 @@ Training jobs are awaited by polling `scontrol show job` every half second rathe
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -25,29 +24,21 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, TINY_RUN, read_metrics
+
 LAUNCH = REPO / "launch"
 CLUSTER_SCRIPT = LAUNCH / "local_cluster.sh"
 SLURM_DIR = Path(os.environ.get("DDPTRAIN_SLURM_DIR", "/tmp/ddptrain-slurm"))
 SLURM_CONF = SLURM_DIR / "etc" / "slurm.conf"
 
 MAX_STEPS = 5
-TINY_RUN = [
-    f"trainer.max_steps={MAX_STEPS}",
-    "trainer.log_every=1",
-    "batch.global_size=4",
-    "batch.micro_size=1",
-    "batch.seq_len=16",
-    "model.n_layer=1",
-    "model.n_head=2",
-    "model.n_embd=32",
-    "trainer.precision=fp32",
-]
+SLURM_RUN = [*TINY_RUN, f"trainer.max_steps={MAX_STEPS}", "batch.global_size=4", "batch.micro_size=1",
+             "batch.seq_len=16", "trainer.precision=fp32"]
 METRIC_KEYS = {"step", "loss", "tokens", "lr", "grad_norm", "tokens_per_second"}
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 
 def _slurm_installed() -> bool:
@@ -121,12 +112,6 @@ def job_output(out_dir: Path) -> str:
     return "\n".join(f"==> {log.name} <==\n{log.read_text(errors='replace')}" for log in logs)
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    assert path.exists(), f"{path} was not written"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def test_cluster_runs_a_job_on_both_nodes(slurm_env, tmp_path):
     """The cluster itself: one task on each of the two nodes."""
     ran = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", "printenv", "SLURMD_NODENAME"],
@@ -159,7 +144,7 @@ def test_template_trains_to_max_steps(slurm_env, tmp_path, template, nproc_per_n
     run_dir = tmp_path / "run"
     # Two nodes train with HSDP: replicate=auto is the number of nodes, so a 2 x 1 mesh
     hsdp = ["strategy=fsdp", "strategy.replicate=auto"] if nodes > 1 else []
-    job_id = submit(template, [f"run.dir={run_dir}"] + TINY_RUN + hsdp, tmp_path, slurm_env,
+    job_id = submit(template, [f"run.dir={run_dir}"] + SLURM_RUN + hsdp, tmp_path, slurm_env,
                     {"DDPTRAIN_NPROC_PER_NODE": nproc_per_node})
     fields = wait_for_job(job_id, slurm_env, timeout=120)
     output = job_output(tmp_path)
@@ -227,7 +212,7 @@ def final_model_state(run_dir: Path) -> tuple[int, dict]:
 
 
 # checkpoint.every = max_steps: the only regular checkpoint is the final one, to compare.
-PREEMPT_RUN = [o for o in TINY_RUN if not o.startswith("trainer.max_steps=")] + [
+PREEMPT_RUN = [o for o in SLURM_RUN if not o.startswith("trainer.max_steps=")] + [
     f"trainer.max_steps={PREEMPT_STEPS}", f"checkpoint.every={PREEMPT_STEPS}"]
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from ddptrain.testing import free_port
 from ddptrain.train.faults import FaultInjector
-from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
+from tests.helpers import REPO, TINY_RUN, read_metrics, straight_run
 
 MAX_STEPS = 160
 RUN = [*TINY_RUN, "batch.seq_len=32", "batch.global_size=4", "batch.micro_size=1", "optim.schedule=constant",
@@ -91,10 +91,7 @@ def logged(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> list[dict]:
     """The uninterrupted reference: 2 ranks from start to end."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    result = run_cli([*RUN, f"run.dir={run_dir}"], nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_metrics(run_dir)
+    return read_metrics(straight_run(tmp_path_factory, "straight", RUN))
 
 
 @pytest.mark.slow
