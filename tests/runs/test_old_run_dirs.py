@@ -13,12 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 import ddptrain
-from tests.helpers import REPO, TINY_RUN, read_metrics, run_cli
+from tests.helpers import REPO, RESUME_RUN, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
-RUN = [*TINY_RUN, "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2", "optim.schedule=constant",
-       "trainer.eval_examples=4", "dist.timeout_s=60", "checkpoint.every=2", "strategy=ddp", "trainer.precision=fp64"]
+RUN = [*RESUME_RUN, "dist.timeout_s=60", "checkpoint.every=2", "strategy=ddp", "trainer.precision=fp64"]
 OLD_RUN = REPO / "tests" / "fixtures" / "run_dir_df46b6a.tar.gz"
 
 
