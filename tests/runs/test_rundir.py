@@ -292,7 +292,7 @@ def test_moving_an_earlier_run_aside_fsyncs_what_it_moves_before_and_both_parent
     """previous/ gets the earlier run by fsutil.rename, like every rename that moves data out of sight:
     the moved file's data and the moved directories' entries at their old place first, then run.dir
     (the names gone) and previous/<time>/ (the names there)."""
-    from ddptrain.runs.lock import move_previous_run_aside
+    from ddptrain.runs.rundir import move_previous_run_aside
 
     files = _earlier_run(tmp_path)
     fsyncs = _record_fsyncs(monkeypatch)
@@ -312,7 +312,7 @@ def test_runs_move_aside_into_a_previous_dir_on_another_filesystem(tmp_path):
     """previous/ a link to other storage (here /dev/shm, a tmpfs): a rename there fails with EXDEV,
     so the move copies, fsyncs and only then removes; an earlier run and an abandoned trajectory
     both arrive whole and leave nothing behind."""
-    from ddptrain.runs.lock import move_abandoned_aside, move_previous_run_aside
+    from ddptrain.runs.rundir import move_abandoned_aside, move_previous_run_aside
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
@@ -343,7 +343,8 @@ def test_a_complete_copy_whose_original_cannot_be_removed_is_named_and_the_rest_
     copied whole but its original cannot be removed: the RunDirError says that previous/<time>/final
     is a complete copy and what is left of the original, checkpoints/ comes back, and between the
     two places nothing of the earlier run is lost."""
-    from ddptrain.runs.lock import RunDirError, move_previous_run_aside
+    from ddptrain.runs.lock import RunDirError
+    from ddptrain.runs.rundir import move_previous_run_aside
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
@@ -412,7 +413,8 @@ def test_a_move_aside_that_fails_half_way_moves_back_what_it_moved(tmp_path):
     """final/ a mount point (rename: EBUSY, for root too): checkpoints/ was already moved to
     previous/<time>/ when final/ failed; it goes back, previous/<time>/ goes, and the RunDirError
     names final/ and the cause. The same for an abandoned trajectory."""
-    from ddptrain.runs.lock import RunDirError, move_abandoned_aside, move_previous_run_aside
+    from ddptrain.runs.lock import RunDirError
+    from ddptrain.runs.rundir import move_abandoned_aside, move_previous_run_aside
 
     files = _earlier_run(tmp_path)
     (tmp_path / "final" / "model.safetensors").unlink()
@@ -440,7 +442,8 @@ def test_a_copy_to_a_full_previous_dir_elsewhere_is_removed_and_the_earlier_run_
     """previous/ a link to a small filesystem: the cross-device copy of checkpoints/ (the first thing
     moved) fails half way with ENOSPC; the partial copy is removed, and the earlier run stays whole
     in run.dir."""
-    from ddptrain.runs.lock import RunDirError, move_previous_run_aside
+    from ddptrain.runs.lock import RunDirError
+    from ddptrain.runs.rundir import move_previous_run_aside
 
     if small_tmpfs.stat().st_dev == tmp_path.stat().st_dev:
         pytest.skip("needs the tmpfs on another filesystem than tmp_path")
