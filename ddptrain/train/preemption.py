@@ -122,8 +122,8 @@ class PreemptionWatcher:
         """A step's eval and saves, after its check: off the watchdog's clock, which times only how long
         no step boundary comes. Before, a signal that arrived during them started that clock: a save
         longer than grace_s was cut short (exit 128 + signal, the step's checkpoint left in its .tmp
-        directory), and the run fell back to the checkpoint before. The trainer asks again after the
-        saves (should_stop), so the checkpoint just written answers such a signal. A save stuck in a
+        directory), and the run fell back to the checkpoint before. The watcher asks again after the
+        saves (`stops`), so the checkpoint just written answers such a signal. A save stuck in a
         collective fails after dist.timeout_s, as a step does."""
         self._unhurried.set()
         try:

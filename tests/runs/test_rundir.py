@@ -584,3 +584,34 @@ def test_a_single_document_corpus_does_not_blame_val_percent(tmp_path):
                       "trainer.max_steps=1", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert result.returncode == 2 and "needs one to train on and one for validation" in result.stderr
     assert "val_percent" not in result.stderr.split("data error:")[1]
+
+
+def test_the_run_directory_package_imports_nothing_of_the_training_loop_and_its_lock_is_only_the_lock():
+    """runs/ is read by serving, export and load_model: none of its modules imports ddptrain.train,
+    not even inside a function; runs/lock.py holds the lock and its errors, the moves aside live
+    with the run directory's layout (runs/rundir.py)."""
+    import ast
+
+    import ddptrain.runs
+
+    package = Path(ddptrain.runs.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not [name for name in names if name.startswith("ddptrain.train")], f"{path.name} imports {names}"
+    lock = ast.parse((package / "lock.py").read_text())
+    public = {node.name for node in lock.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+              and not node.name.startswith("_")}
+    assert public == {"RunDirError", "RunDirLocked", "RunDirLock"}, public
+
+
+def test_a_run_dir_names_its_layout(tmp_path):
+    from ddptrain.config.compose import compose_config
+    from ddptrain.runs.rundir import RunDir
+
+    run_dir = RunDir(compose_config([f"run.dir={tmp_path / 'run'}"]))
+    assert (run_dir.checkpoints, run_dir.final, run_dir.config_file, run_dir.log_file, run_dir.metrics_file) == (
+        tmp_path / "run" / "checkpoints", tmp_path / "run" / "final", tmp_path / "run" / "config.yaml",
+        tmp_path / "run" / "train.log", tmp_path / "run" / "metrics.jsonl")
+    assert run_dir.final_step() is None
