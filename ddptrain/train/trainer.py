@@ -180,7 +180,8 @@ class Trainer:
                 stats = self.engine.step(microbatches, max_microbatches=most)
         except RuntimeError as error:  # gloo reports timeouts and lost peers as RuntimeError
             hint = ""
-            if isinstance(error, dist.DistError) or any(w in str(error) for w in ("gloo", "NCCL", "Timed out", "Connection")):
+            peer_words = ("gloo", "NCCL", "Timed out", "Connection")
+            if isinstance(error, dist.DistError) or any(word in str(error) for word in peer_words):
                 hint = f" (a dead or stuck peer fails the run after dist.timeout_s={self.cfg.dist.timeout_s}s)"
             raise RuntimeError(f"step {step} failed on rank {rank}: {error}{hint}") from error
         self.metrics.window.add(stats, data_wait_s, self.train_batches.global_shapes(self.step))
