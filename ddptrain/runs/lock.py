@@ -1,4 +1,4 @@
-"""One run per run directory: a lock with a heartbeat, and a fresh start that moves, never mixes.
+"""One run per run directory: a lock with a heartbeat.
 
 The lock is `<run.dir>/.lock`, a JSON file created with O_EXCL by rank 0: host, pid, the
 process start time, the Slurm job and torchrun run ids, and a heartbeat (its mtime, refreshed by
@@ -16,13 +16,12 @@ import datetime
 import json
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
 from pathlib import Path
 
-from ddptrain.fsutil import describe_write_error, fsync_dir, fsync_file, make_dirs, move, pid_is_running
+from ddptrain.fsutil import pid_is_running
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,7 @@ class RunDirLock:
 
     def release(self) -> None:
         self._stop.set()
-        if self._thread is not None:  # joined: no thread of ours outlives the run (issue 23, item 17)
+        if self._thread is not None:  # joined: no thread of ours outlives the run
             self._thread.join(timeout=5)
             self._thread = None
         try:
@@ -143,107 +142,3 @@ class RunDirLock:
                 self.path.unlink()
         except (OSError, ValueError):
             pass
-
-
-PREVIOUS_RUN_FILES = ("checkpoints", "final", "servable", "metrics.jsonl", "config.yaml", "train.log", "wandb",
-                      ".failpoints")
-
-
-def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:
-    """A fresh start in a run dir that holds an earlier run, or a resume there from another run's
-    checkpoint, moves that run to `previous/<time>/`: nothing is deleted, and the earlier run's
-    checkpoints, metrics and final weights can never be mistaken for this one's. All or nothing:
-    where a move fails, what was moved goes back and a RunDirError names the path and the cause."""
-    run_dir = Path(run_dir)
-    present = [name for name in PREVIOUS_RUN_FILES if (run_dir / name).exists()]
-    if not any(name in present for name in ("checkpoints", "final", "metrics.jsonl")):
-        return None
-    target = _move_together(run_dir, [run_dir / name for name in present], f"it holds an earlier run and {why}")
-    log.warning("run.dir %s held an earlier run; %s, so it was moved to %s (nothing was deleted)", run_dir, why, target)
-    return target
-
-
-def move_abandoned_aside(run_dir: str | Path, paths: list[Path]) -> Path:
-    """Move `paths` (checkpoints and final/ of steps after the checkpoint a run resumed from) to
-    `previous/<time>/` under their names in run.dir, with a copy of the run's metrics.jsonl and
-    config.yaml (the resumed run cuts the one and rewrites the other): nothing is deleted, and
-    `auto` can never resume them. Returns that directory. All or nothing, as `move_previous_run_aside`."""
-    run_dir = Path(run_dir)
-    copies = [run_dir / name for name in ("metrics.jsonl", "config.yaml") if (run_dir / name).is_file()]
-    return _move_together(run_dir, [Path(path) for path in paths],
-                          "it holds checkpoints after the one this run resumes from", copies=copies)
-
-
-def _move_together(run_dir: Path, paths: list[Path], why: str, copies: list[Path] = ()) -> Path:
-    """Move `paths` (inside `run_dir`) to a new `previous/<time>/` under their names there, and copy
-    `copies` beside them; returns that directory. A failure moves back what was moved, removes
-    what it made, and raises a RunDirError saying what failed and where the data is: the earlier
-    run whole where it was, or (where even that fails) each piece by name. Never half deleted:
-    `fsutil.move` removes an original only once its copy is complete."""
-    previous = run_dir / "previous"
-    try:
-        target = _new_previous_dir(run_dir)
-    except OSError as error:
-        raise RunDirError(
-            f"run.dir={run_dir}: {why}, which is moved to {previous}/<time>/ before this run starts, but that "
-            f"directory could not be created: {describe_write_error(error, previous)}. Nothing was moved. Make "
-            f"{previous} a writable directory (or a link to one), move the earlier run away yourself, or pick "
-            "another run.dir") from error
-    moved: list[Path] = []
-    current = None
-    try:
-        for current in paths:
-            destination = target / current.relative_to(run_dir)
-            make_dirs(destination.parent)
-            move(current, destination)
-            moved.append(current)
-        current = None
-        for path in copies:
-            shutil.copy2(path, target / path.name)
-            fsync_file(target / path.name)
-        fsync_dir(target)
-    except OSError as error:
-        what = f"moving {current}" if current is not None else "copying metrics.jsonl and config.yaml"
-        where = _move_back(run_dir, target, moved, current)
-        raise RunDirError(
-            f"run.dir={run_dir}: {why}, which is moved to {target} before this run starts, but {what} there "
-            f"failed: {describe_write_error(error, target)}. {where} A mount point, or an entry this user may not "
-            f"move or delete, cannot be moved: free it, move the earlier run away yourself, or pick another "
-            "run.dir") from error
-    return target
-
-
-def _move_back(run_dir: Path, target: Path, moved: list[Path], failed: Path | None) -> str:
-    """Undo `_move_together`'s moves of `moved` into `target` after moving `failed` did not succeed;
-    says where the data is now."""
-    kept: list[str] = []
-    if failed is not None and os.path.lexists(target / failed.relative_to(run_dir)):
-        # fsutil.move leaves no partial copy: this one is whole, only the original's removal failed
-        kept.append(f"{target / failed.relative_to(run_dir)} is a complete copy of {failed}, of which what "
-                    "could not be removed is left (delete it once checked)")
-    for path in reversed(moved):
-        try:
-            move(target / path.relative_to(run_dir), path)
-        except OSError as error:
-            kept.append(f"{path} is at {target / path.relative_to(run_dir)} ({describe_write_error(error, path)} "
-                        "moving it back)")
-    for directory in sorted((d for d in [target, *target.rglob("*")] if d.is_dir() and not d.is_symlink()),
-                            key=lambda d: len(d.parts), reverse=True):
-        try:
-            directory.rmdir()  # only what is empty: what we made for the moves
-        except OSError:
-            pass
-    if not kept:
-        return "Nothing was moved: the earlier data is where it was."
-    return "Nothing was deleted, but not all of it is where it was: " + "; ".join(kept) + "."
-
-
-def _new_previous_dir(run_dir: Path) -> Path:
-    """A new, empty `previous/<time>/` in `run_dir`."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    target = run_dir / "previous" / stamp
-    suffix = 1
-    while target.exists():
-        target, suffix = run_dir / "previous" / f"{stamp}-{suffix}", suffix + 1
-    make_dirs(target)
-    return target

@@ -198,7 +198,7 @@ def start_checkpoint(run_dir: str | Path, step: int, trainer_state: dict | None,
 def _open(run_dir: str | Path, step: int) -> tuple[Path, Path]:
     """Collective: (the final directory, a fresh temporary one to write into). A step directory
     already there is not this run's (the caller does not save a step it holds, and a resume moved
-    every later one aside: Checkpointer._move_newer_aside): one put there by hand, or a save that
+    every later one aside: RunDir.move_newer_aside): one put there by hand, or a save that
     never finished. It is moved aside now, unread, so it never counts as saved, never blocks the
     rename and is never resumed should this save fail: to `.replaced-<name>` with a COMPLETE.json,
     `.bad-<name>` without. Hashing it first (a collective read of every file) would decide nothing:
@@ -323,7 +323,7 @@ def _fail_together(error: BaseException | None, tmp: Path) -> None:
 def purge(run_dir: str | Path, keep: int, protect: Path) -> None:
     """Delete complete checkpoints older than `protect` (the one just written, which verifies) but
     the newest `keep` counted from it (rank 0). A resume moves every checkpoint newer than the one it
-    resumed from aside (Checkpointer._move_newer_aside), so `protect` is the newest; one newer all the
+    resumed from aside (RunDir.move_newer_aside), so `protect` is the newest; one newer all the
     same is neither counted nor deleted: the newest checkpoint that verifies is never removed. Never
     fails training."""
     if not is_rank_zero() or keep <= 0:

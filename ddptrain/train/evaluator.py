@@ -1,5 +1,6 @@
 """The validation loss: the global mean over the valid targets of a fixed validation set, the same
-number for any layout, on its own schedule (every trainer.eval_every steps, and after the last).
+number for any layout, on its own schedule (every trainer.eval_every steps, and after the last): a
+component of the loop (train/components.py) that leaves the loss on the step's `val_loss`.
 
 Its microbatches are cut like the training's: batch.micro_size rows, or under batch.micro_tokens
 at most that many padded positions each, so an eval forward never exceeds what the run's
@@ -12,6 +13,7 @@ import logging
 import numpy as np
 import torch
 
+from ddptrain.config.schema import TrainConfig
 from ddptrain.data.batches import budget_microbatches
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.data.global_batch import split_micro
@@ -19,14 +21,16 @@ from ddptrain.distributed import DistInfo, all_reduce_sum
 from ddptrain.engine.engine import Engine
 from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.engine.objective import token_loss_sum
+from ddptrain.train.components import StepEnd
 
 log = logging.getLogger(__name__)
 
 
 class Evaluator:
     def __init__(self, val: TokenExamples, examples: int, micro_batch_size: int, every: int, last_step: int,
-                 dist_info: DistInfo, micro_tokens: int | None = None):
+                 dist_info: DistInfo, micro_tokens: int | None = None, engine: Engine | None = None):
         self.val = val
+        self.engine = engine  # what `on_step_end` evaluates
         if examples > len(val):  # not refused: the default 64 exceeds a small corpus's split, and all of it is used
             log.warning("trainer.eval_examples=%d > the %d examples of the validation split: the validation loss is "
                         "over all %d of them; lower trainer.eval_examples or give a larger validation split",
@@ -41,6 +45,12 @@ class Evaluator:
         self.microbatches = ranks[dist_info.rank]
         self.rounds = max(map(len, ranks))  # the same on every rank: the longest list, fillers pad the others
 
+    @classmethod
+    def from_config(cls, val: TokenExamples, cfg: TrainConfig, dist_info: DistInfo, engine: Engine) -> "Evaluator":
+        """trainer.eval_examples of `val`, every trainer.eval_every steps and the last, in the run's microbatches."""
+        return cls(val, cfg.trainer.eval_examples, cfg.batch.micro_size, cfg.trainer.eval_every, cfg.trainer.max_steps,
+                   dist_info, micro_tokens=cfg.batch.micro_tokens, engine=engine)
+
     def _rank_microbatches(self) -> list[list[np.ndarray]]:
         """Every rank's microbatches of its strided share: micro_batch_size rows each, or the training's
         token budget (longest first, rows x longest <= micro_tokens padded positions)."""
@@ -52,6 +62,16 @@ class Evaluator:
 
     def should_run(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.last_step
+
+    def reads(self, end: StepEnd) -> bool:
+        return self.should_run(end.step)  # the metrics line of an eval step holds the step's numbers
+
+    def on_step_end(self, end: StepEnd) -> None:
+        if self.should_run(end.step):
+            end.val_loss = self.run(self.engine)
+
+    def on_fit_end(self, step: int) -> None:
+        pass
 
     @torch.no_grad()
     def run(self, engine: Engine) -> float:

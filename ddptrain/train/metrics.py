@@ -1,5 +1,7 @@
 """What rank 0 records: metrics.jsonl (one JSON object per logged step), console lines or a
-progress bar, and wandb; plus the per-window throughput, MFU, padding and time-split numbers."""
+progress bar, and wandb; plus the per-window throughput, MFU, padding and time-split numbers.
+The logger is a component of the loop (train/components.py): a line every trainer.log_every steps
+and at the last."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
+from ddptrain.config.schema import TrainConfig
 from ddptrain.distributed import is_rank_zero
 from ddptrain.fsutil import rename
 from ddptrain.train.flops import ModelFlops
+from ddptrain.train.components import StepEnd
 from ddptrain.train.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -141,6 +146,15 @@ class MetricsLogger:
             if run_id is not None:
                 self._wandb_logged_through = max(logged_through, int(self._wandb_run.step or 0) - 1)
 
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, window: ThroughputWindow, run_id: str | None = None,
+                    resume_step: int | None = None) -> "MetricsLogger":
+        """The run's logger: logger.* and trainer.log_every; `run_id` and `resume_step` from the checkpoint resumed."""
+        wandb = cfg.logger.wandb
+        return cls(cfg.run.dir, wandb.mode, wandb.project, wandb.name, OmegaConf.to_container(cfg, resolve=True),
+                   run_id=run_id, resume_step=resume_step, progress=cfg.logger.progress,
+                   max_steps=cfg.trainer.max_steps, window=window, every=cfg.trainer.log_every)
+
     def _truncate_after(self, resume_step: int | None) -> int:
         """On resume, drop lines of steps after the checkpoint: they will be logged again.
 
@@ -180,6 +194,23 @@ class MetricsLogger:
     def should_log(self, step: int) -> bool:
         """Log steps: every logger's `every` steps, and the last."""
         return step % self.every == 0 or step == self.last_step
+
+    def reads(self, end: StepEnd) -> bool:
+        return self.should_log(end.step)
+
+    def on_step_end(self, end: StepEnd) -> None:
+        """On log steps, one line: this step's numbers, and rates and mean times over the steps since the last line."""
+        if not self.should_log(end.step):
+            return
+        stats = end.stats
+        record = {"step": end.step, "loss": stats.loss, "tokens": stats.tokens, "lr": end.lr,
+                  "grad_norm": stats.grad_norm, **self.window.summary(), **end.counters()}
+        if end.val_loss is not None:
+            record["val_loss"] = end.val_loss
+        self.log(record)
+
+    def on_fit_end(self, step: int) -> None:
+        pass
 
     def log(self, metrics: dict) -> None:
         """One logged step: metrics.jsonl, wandb, and the console (a line above the bar, or a log line)."""

@@ -1,8 +1,9 @@
 """Preemption: a signal on any rank makes every rank checkpoint at the next step boundary.
 
-The handler only records the signal (nothing else is safe inside a handler); the trainer asks
-`should_stop()` at step boundaries, a tiny MAX all-reduce, so all ranks agree on the same step and
-no rank is left waiting in a collective.
+The handler only records the signal (nothing else is safe inside a handler); at step boundaries
+the watcher asks every rank (`should_stop()`, a tiny MAX all-reduce), so all ranks agree on the
+same step and no rank is left waiting in a collective. It owns the stop decision: the loop tells it
+each step's end (`at_step_end`, before the step's eval and saves) and asks `stops` after them.
 
 A rank blocked in a collective (a peer hung or died) never reaches that boundary, and a Python
 signal handler does not even run while the main thread waits inside C++. So the signal is also
@@ -10,7 +11,7 @@ written to a wakeup pipe that a watchdog thread reads: if the trainer reaches no
 within `grace_s` (each boundary restarts the wait, since the check that begins the preemption
 checkpoint comes only every `check_every` steps), the process exits (128 + signal) instead of
 ignoring the launcher's stop request until it is SIGKILLed. The last complete checkpoint stands.
-A step's eval and saves run `unhurried`, off that clock, and the trainer asks again after a save.
+A step's eval and saves run `unhurried`, off that clock, and the watcher asks again after a save.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Iterator
 import torch
 
 from ddptrain.distributed import any_rank, get_rank
+from ddptrain.train.components import StepEnd
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class PreemptionWatcher:
         self.check_every = check_every
         self.grace_s = grace_s
         self.received: int | None = None
+        self.stopping = False  # the ranks agreed to stop at the current step
         self._previous = {}
         self._handling = threading.Event()
         self._boundary = threading.Event()  # set at every step boundary: the steps still move
@@ -85,6 +88,24 @@ class PreemptionWatcher:
             logging.shutdown()
             os._exit(128 + signum)
 
+    def at_step_end(self, end: StepEnd, saves: bool) -> None:
+        """A step boundary, before the step's eval and saves (so that they run unhurried once the ranks
+        agree to stop): on the last step the run ends (`run_ends`), else the check of `should_stop_at`,
+        whose answer `stops` gives."""
+        if end.last:
+            self.run_ends(end.step)
+            self.stopping = False
+        else:
+            self.stopping = self.should_stop_at(end.step, saves=saves)
+
+    def stops(self, end: StepEnd) -> bool:
+        """After the step's eval and saves: whether every rank stops here. A signal that came during a
+        checkpoint just written is answered by it (asked again, on every rank alike); the last step
+        ends the run anyway."""
+        if end.saved is not None and not self.stopping and not end.last:
+            self.stopping = self.should_stop()
+        return self.stopping
+
     def should_stop_at(self, step: int, saves: bool = False) -> bool:
         """Collective on every `check_every`-th step and on every step that `saves` a checkpoint (a
         tiny all-reduce the host waits for): did any rank receive a preemption signal? False on other
@@ -101,8 +122,8 @@ class PreemptionWatcher:
         """A step's eval and saves, after its check: off the watchdog's clock, which times only how long
         no step boundary comes. Before, a signal that arrived during them started that clock: a save
         longer than grace_s was cut short (exit 128 + signal, the step's checkpoint left in its .tmp
-        directory), and the run fell back to the checkpoint before. The trainer asks again after the
-        saves (should_stop), so the checkpoint just written answers such a signal. A save stuck in a
+        directory), and the run fell back to the checkpoint before. The watcher asks again after the
+        saves (`stops`), so the checkpoint just written answers such a signal. A save stuck in a
         collective fails after dist.timeout_s, as a step does."""
         self._unhurried.set()
         try:

@@ -1,14 +1,17 @@
 """The loop, as a table of contents: build, then step after step, each component on its own schedule.
 
+    run dir       lock, train.log, config.yaml, the checkpoint resumed from (runs/rundir.py)
     builder       data, model (through its adapter), optimizer, schedule, engine (train/builder.py)
-    checkpointer  run-dir lock, resume, checkpoints, final weights      (train/checkpointer.py)
-    evaluator     validation loss                                       (train/evaluator.py)
-    metrics       metrics.jsonl, console, wandb, throughput             (train/metrics.py)
+    components    evaluator, metrics, checkpointer: asked after every step (train/components.py)
+      evaluator     validation loss                                       (train/evaluator.py)
+      metrics       metrics.jsonl, console, wandb, throughput             (train/metrics.py)
+      checkpointer  checkpoints on their schedule, resume, final weights  (train/checkpointer.py)
     preemption    signals -> checkpoint at the next step boundary        (train/preemption.py)
     faults        failpoints for the crash tests, only when set         (train/faults.py)
 
-Step statistics stay on the device until a log, eval, checkpoint or preemption step reads them
-(`_read_steps`), so steps that nobody looks at never wait for the device.
+Step statistics stay on the device until a component that reads the step (a log, eval or
+checkpoint step) or a preemption needs them (`_read_steps`), so steps that nobody looks at never
+wait for the device.
 """
 
 from __future__ import annotations
@@ -17,21 +20,23 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from ddptrain.config.schema import TrainConfig
 from ddptrain.data.prefetch import Prefetcher, pin_memory_available
 from ddptrain.distributed import DistInfo
 from ddptrain.engine.equivalence import log_equivalence_caveats
 from ddptrain.engine.stats import StepStats
+from ddptrain.runs.fingerprint import check_fingerprint, run_fingerprint
+from ddptrain.runs.rundir import RunDir
 from ddptrain.train import builder
 from ddptrain.train.checkpointer import Checkpointer
+from ddptrain.train.components import Component, StepEnd
 from ddptrain.train.evaluator import Evaluator
 from ddptrain.train.faults import FaultInjector
-from ddptrain.runs.fingerprint import check_fingerprint, run_fingerprint
 from ddptrain.train.flops import ModelFlops, device_peak_flops
 from ddptrain.train.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
 from ddptrain.train.preemption import Preempted, PreemptionWatcher
@@ -66,15 +71,18 @@ class TrainState:
 class Trainer:
     """Builds a run from a validated config and fits it."""
 
-    def __init__(self, cfg, dist_info: DistInfo):
+    def __init__(self, cfg: TrainConfig, dist_info: DistInfo):
         self.cfg = cfg
         self.dist = dist_info
         self.state = TrainState()
         self.faults = FaultInjector.from_env(dist_info.rank, cfg.run.dir)  # None unless DDPTRAIN_FAILPOINT is set
-        self.checkpointer = Checkpointer(cfg, dist_info, self.faults)
+        self.run_dir = RunDir(cfg)
         self.built: builder.Built | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.evaluator: Evaluator | None = None
         self.metrics: MetricsLogger | None = None
         self.preemption: PreemptionWatcher | None = None
+        self.components: list[Component] = []  # asked after every step, in this order
         self._unread: list[tuple[int, StepStats]] = []
         self.fingerprint: dict = {}
         self._started = time.perf_counter()
@@ -96,33 +104,31 @@ class Trainer:
     def build(self) -> "Trainer":
         cfg = self.cfg
         self._started = time.perf_counter()
-        self.checkpointer.lock()
+        self.run_dir.lock()
         if self.dist.device.type == "cuda" and cfg.trainer.precision == "fp32":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls: fp32 runs use the tensor cores
         builder.resolve_tokenizer(cfg)  # before the config diff: checkpoints hold the resolved config
-        saved = self.checkpointer.saved_state()
-        self.checkpointer.write_run_files()
+        saved = self.run_dir.saved_state()
+        self.run_dir.write_run_files()
         self.built = builder.build(cfg, self.dist)
         log_equivalence_caveats(self.built.model)  # batch-dependent or stochastic modules: rank 0 warns once
         self._fingerprint_inputs(saved)
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, self.built, self.trainer_state, self.faults)
         if saved:
-            self.checkpointer.restore(saved, self.engine, self.train_batches.plan.samples_seen, self.built.spec)
+            self.checkpointer.restore(saved)
             self.state.load_state_dict(saved)
         if self.step < cfg.trainer.max_steps:  # with nothing left to do, config.yaml stays what the run trained with
-            self.checkpointer.write_config()  # the launch is accepted
-        self.evaluator = Evaluator(self.built.data.val, cfg.trainer.eval_examples, cfg.batch.micro_size,
-                                   cfg.trainer.eval_every, cfg.trainer.max_steps, self.dist,
-                                   micro_tokens=cfg.batch.micro_tokens)
+            self.run_dir.write_config()  # the launch is accepted
+        self.evaluator = Evaluator.from_config(self.built.data.val, cfg, self.dist, self.engine)
         peak_flops = device_peak_flops(self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops)
         window = ThroughputWindow(ModelFlops.of_module(self.built.model), peak_flops, self.dist.world_size)
-        wandb = cfg.logger.wandb
-        self.metrics = MetricsLogger(cfg.run.dir, wandb.mode, wandb.project, wandb.name,
-                                     OmegaConf.to_container(cfg, resolve=True), run_id=saved.get("wandb_run_id"),
-                                     resume_step=self.step if saved else None, progress=cfg.logger.progress,
-                                     max_steps=cfg.trainer.max_steps, window=window, every=cfg.trainer.log_every)
+        self.metrics = MetricsLogger.from_config(cfg, window, run_id=saved.get("wandb_run_id"),
+                                                 resume_step=self.step if saved else None)
         self.preemption = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device,
                                             grace_s=cfg.checkpoint.preempt_grace_s,
                                             check_every=cfg.checkpoint.preempt_check_every)
+        # The order is what each leaves for the next: the eval's loss goes into the metrics line.
+        self.components = [self.evaluator, self.metrics, self.checkpointer]
         log_summary(cfg, self.dist, self.built, self.metrics, self.step, sampled=self.train_batches.examples)
         return self
 
@@ -142,45 +148,30 @@ class Trainer:
     # -- fit -----------------------------------------------------------------------------------
 
     def fit(self) -> None:
-        last = self.cfg.trainer.max_steps
-        if self.step == last:
-            self._save_final()
-            log.info("nothing to do: this run already finished at step %d (trainer.max_steps=%d); its weights are in "
-                     "%s; raise trainer.max_steps to train on", self.step, last, self.checkpointer.run_dir / "final")
-            return
-        with Prefetcher(self.train_batches, last, pin_memory_available(self.dist.device)) as batches:
-            while self.step < last:
-                lr = self.built.optimizer.param_groups[0]["lr"]  # the rate this step applies
-                stats = self._train_step(batches)
-                self.state.step += 1
-                step = self.step
-                if step == last:
-                    self.preemption.run_ends(step)  # its eval and saves run as a preemption's would, unhurried
-                self._unread.append((step, stats))
-                evaluate, log_line = self.evaluator.should_run(step), self.metrics.should_log(step)
-                save = self.checkpointer.should_save(step)
-                # Before the eval and saves, so that they run unhurried once the ranks agree to stop.
-                stop = step != last and self.preemption.should_stop_at(step, saves=save)
-                if evaluate or log_line or save:
+        """Step after step up to trainer.max_steps; after each, every component does what its schedule
+        says, off the preemption watchdog's clock, and the preemption decides whether the ranks stop."""
+        max_steps = self.cfg.trainer.max_steps
+        with Prefetcher(self.train_batches, max_steps, pin_memory_available(self.dist.device)) as batches:
+            while self.step < max_steps:
+                end = self._train_step(batches)
+                self.preemption.at_step_end(end, saves=self.checkpointer.saves(end.step))  # before the saves
+                read = any(component.reads(end) for component in self.components)
+                if read:
                     self._read_steps()  # waits for the device: only on the steps someone reads
-                self.metrics.step_done(step, stats.loss if evaluate or log_line or save else None)
-                with self.preemption.unhurried():  # progress: a signal now waits for them, and is asked below
-                    val_loss = self.evaluator.run(self.engine) if evaluate else None
-                    if log_line:
-                        self._log_step(stats, lr, val_loss)
-                    saved = self.checkpointer.save(step, self.engine, self.trainer_state) if save else None
-                    self.checkpointer.poll(step)  # commits a background save once every rank has written it
-                if save and not stop and step != last:
-                    stop = self.preemption.should_stop()  # a signal during the saves: they answer it
-                if step == last:
-                    self._save_final()
-                elif stop:
-                    self._preempt(saved)
+                self.metrics.step_done(end.step, end.stats.loss if read else None)
+                with self.preemption.unhurried():  # progress: a signal now waits for them, and is asked after
+                    for component in self.components:
+                        component.on_step_end(end)
+                if self.preemption.stops(end):
+                    self._preempt(end)
+        for component in self.components:
+            component.on_fit_end(self.step)
 
-    def _train_step(self, batches: Prefetcher) -> StepStats:
+    def _train_step(self, batches: Prefetcher) -> StepEnd:
         """Engine.step on this rank's microbatches, with the step named in any collective failure
-        (a dead or stuck peer)."""
+        (a dead or stuck peer); the step is then done, its statistics still on the device."""
         step, rank = self.step + 1, self.dist.rank
+        lr = self.built.optimizer.param_groups[0]["lr"]  # the rate this step applies
         microbatches, data_wait_s = batches.get(self.step)
         most = max(len(micro) for micro in self.train_batches.layout(self.step))
         faults = self.faults.around_step(step, self.engine.model) if self.faults else contextlib.nullcontext()
@@ -189,11 +180,14 @@ class Trainer:
                 stats = self.engine.step(microbatches, max_microbatches=most)
         except RuntimeError as error:  # gloo reports timeouts and lost peers as RuntimeError
             hint = ""
-            if isinstance(error, dist.DistError) or any(w in str(error) for w in ("gloo", "NCCL", "Timed out", "Connection")):
+            peer_words = ("gloo", "NCCL", "Timed out", "Connection")
+            if isinstance(error, dist.DistError) or any(word in str(error) for word in peer_words):
                 hint = f" (a dead or stuck peer fails the run after dist.timeout_s={self.cfg.dist.timeout_s}s)"
             raise RuntimeError(f"step {step} failed on rank {rank}: {error}{hint}") from error
         self.metrics.window.add(stats, data_wait_s, self.train_batches.global_shapes(self.step))
-        return stats
+        self.state.step = step
+        self._unread.append((step, stats))
+        return StepEnd(step, step == self.cfg.trainer.max_steps, stats, lr, counters=self._counters)
 
     def _read_steps(self) -> None:
         """Read the steps since the last read (this waits for the device): counters, skips, policies."""
@@ -208,43 +202,31 @@ class Trainer:
                             if stats.reason == "no_valid_tokens" else f"non-finite gradient norm {stats.grad_norm}")
         self._unread = []
 
-    def _log_step(self, stats: StepStats, lr: float, val_loss: float | None) -> None:
-        """One metrics line: this step's numbers, and rates and mean times over the steps since the last line."""
-        record = {
-            "step": self.step,
-            "loss": stats.loss,
-            "tokens": stats.tokens,
+    def _counters(self) -> dict:
+        """The run's counters for a metrics line, read when it is written."""
+        counters = {
             "tokens_seen": self.state.tokens_seen,
-            "lr": lr,
-            "grad_norm": stats.grad_norm,
-            **self.metrics.window.summary(),
             "peak_memory_bytes": peak_memory_bytes(self.dist.device),
             "skipped_steps": self.engine.skipped_steps,
             "filler_microbatches": self.state.filler_microbatches,
             "samples_seen": self.train_batches.plan.samples_seen(self.step),
             "world_size": self.dist.world_size,
         }
-        if val_loss is not None:
-            record["val_loss"] = val_loss
         if self.engine.loss_scale is not None:
-            record["loss_scale"] = float(self.engine.loss_scale.scale)
-        self.metrics.log(record)
+            counters["loss_scale"] = float(self.engine.loss_scale.scale)
+        return counters
 
-    def _preempt(self, saved: Path | None) -> None:
+    def _preempt(self, end: StepEnd) -> None:
         """Checkpoint this step (unless its scheduled checkpoint was just written) and exit. The
         checkpointer logs "checkpoint of step N saved" once; this line only says why the run stops."""
         self._read_steps()
         name = self.preemption.signal_name()
-        if saved is None:
-            saved = self.checkpointer.save(self.step, self.engine, self.trainer_state)
-        self._save_final()
+        saved = end.saved if end.saved is not None else self.checkpointer.save(self.step)
+        self.checkpointer.save_final(self.step)
         code = self.cfg.checkpoint.preempt_exit_code
         log.warning("preempted by %s at step %d (resumes from %s); exiting with code %d",
                     name, self.step, saved.name, code)
         raise Preempted(code)
-
-    def _save_final(self) -> None:
-        self.checkpointer.save_final(self.step, self.engine, self.built.model, self.built.spec, self.built.adapter)
 
     def trainer_state(self) -> dict:
         """What a checkpoint holds besides weights and optimizer state (rank 0 writes it)."""
@@ -266,6 +248,8 @@ class Trainer:
             self.preemption.restore()
         if self.built is not None:
             self.built.engine = None  # drop the wrapped model before the process group is destroyed
+        if self.evaluator is not None:
+            self.evaluator.engine = None
         if self.metrics is not None:
             self.metrics.close()
-        self.checkpointer.close()  # the run-dir lock and train.log
+        self.run_dir.close()  # the lock and train.log

@@ -252,7 +252,7 @@ def test_moving_an_earlier_run_aside_fsyncs_what_it_moves_before_and_both_parent
     """previous/ gets the earlier run by fsutil.rename, like every rename that moves data out of sight:
     the moved file's data and the moved directories' entries at their old place first, then run.dir
     (the names gone) and previous/<time>/ (the names there)."""
-    from ddptrain.runs.lock import move_previous_run_aside
+    from ddptrain.runs.rundir import move_previous_run_aside
 
     files = write_earlier_run(tmp_path)
     fsyncs = _record_fsyncs(monkeypatch)
@@ -272,7 +272,7 @@ def test_runs_move_aside_into_a_previous_dir_on_another_filesystem(tmp_path):
     """previous/ a link to other storage (here /dev/shm, a tmpfs): a rename there fails with EXDEV,
     so the move copies, fsyncs and only then removes; an earlier run and an abandoned trajectory
     both arrive whole and leave nothing behind."""
-    from ddptrain.runs.lock import move_abandoned_aside, move_previous_run_aside
+    from ddptrain.runs.rundir import move_abandoned_aside, move_previous_run_aside
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
@@ -303,7 +303,8 @@ def test_a_complete_copy_whose_original_cannot_be_removed_is_named_and_the_rest_
     copied whole but its original cannot be removed: the RunDirError says that previous/<time>/final
     is a complete copy and what is left of the original, checkpoints/ comes back, and between the
     two places nothing of the earlier run is lost."""
-    from ddptrain.runs.lock import RunDirError, move_previous_run_aside
+    from ddptrain.runs.lock import RunDirError
+    from ddptrain.runs.rundir import move_previous_run_aside
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or not os.access(shm, os.W_OK) or shm.stat().st_dev == tmp_path.stat().st_dev:
@@ -489,3 +490,34 @@ def test_a_single_document_corpus_does_not_blame_val_percent(tmp_path):
                       "trainer.max_steps=1", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert result.returncode == 2 and "needs one to train on and one for validation" in result.stderr
     assert "val_percent" not in result.stderr.split("data error:")[1]
+
+
+def test_the_run_directory_package_imports_nothing_of_the_training_loop_and_its_lock_is_only_the_lock():
+    """runs/ is read by serving, export and load_model: none of its modules imports ddptrain.train,
+    not even inside a function; runs/lock.py holds the lock and its errors, the moves aside live
+    with the run directory's layout (runs/rundir.py)."""
+    import ast
+
+    import ddptrain.runs
+
+    package = Path(ddptrain.runs.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not [name for name in names if name.startswith("ddptrain.train")], f"{path.name} imports {names}"
+    lock = ast.parse((package / "lock.py").read_text())
+    public = {node.name for node in lock.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+              and not node.name.startswith("_")}
+    assert public == {"RunDirError", "RunDirLocked", "RunDirLock"}, public
+
+
+def test_a_run_dir_names_its_layout(tmp_path):
+    from ddptrain.config.compose import compose_config
+    from ddptrain.runs.rundir import RunDir
+
+    run_dir = RunDir(compose_config([f"run.dir={tmp_path / 'run'}"]))
+    assert (run_dir.checkpoints, run_dir.final, run_dir.config_file, run_dir.log_file, run_dir.metrics_file) == (
+        tmp_path / "run" / "checkpoints", tmp_path / "run" / "final", tmp_path / "run" / "config.yaml",
+        tmp_path / "run" / "train.log", tmp_path / "run" / "metrics.jsonl")
+    assert run_dir.final_step() is None

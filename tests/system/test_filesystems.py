@@ -12,8 +12,8 @@ import pytest
 
 from ddptrain.config.compose import compose_config
 from ddptrain.runs import store as ckpt
-from ddptrain.runs.lock import RunDirError, move_abandoned_aside, move_previous_run_aside
-from ddptrain.train.checkpointer import Checkpointer
+from ddptrain.runs.lock import RunDirError
+from ddptrain.runs.rundir import RunDir, move_abandoned_aside, move_previous_run_aside
 from tests.helpers import SMALL_RUN, run_cli, write_earlier_run
 
 pytestmark = pytest.mark.system
@@ -38,7 +38,7 @@ def test_a_run_dir_on_a_read_only_filesystem_is_a_run_dir_error(tmp_path):
     mount.mkdir()
     with tmpfs(mount, "ro,size=1m"):
         with pytest.raises(RunDirError, match=r"cannot be used: Read-only file system \(EROFS\)"):
-            Checkpointer(compose_config([f"run.dir={mount / 'run'}"]), None).lock()
+            RunDir(compose_config([f"run.dir={mount / 'run'}"])).lock()
 
 
 # -- a full disk ----------------------------------------------------------------------------------

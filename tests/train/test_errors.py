@@ -6,25 +6,25 @@ import pytest
 
 from ddptrain.config.compose import compose_config
 from ddptrain.runs import store as ckpt
-from ddptrain.train.checkpointer import Checkpointer
 from ddptrain.runs.lock import RunDirError
+from ddptrain.runs.rundir import RunDir
 from tests.helpers import import_optional
 
 
-def _checkpointer(*overrides: str) -> Checkpointer:
-    return Checkpointer(compose_config(list(overrides)), None)
+def _run_dir(*overrides: str) -> RunDir:
+    return RunDir(compose_config(list(overrides)))
 
 
 def test_a_run_dir_that_is_a_file_is_a_run_dir_error(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     with pytest.raises(RunDirError, match=r"run.dir=.*a-file cannot be used: .*it must be a writable directory"):
-        _checkpointer(f"run.dir={tmp_path / 'a-file'}").lock()
+        _run_dir(f"run.dir={tmp_path / 'a-file'}").lock()
 
 
 def test_a_resume_path_that_does_not_exist_leaves_no_run_dir_behind(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(ckpt.CheckpointError, match=f"{tmp_path / 'nope'} does not exist"):
-        _checkpointer(f"run.dir={run_dir}", f"checkpoint.resume={tmp_path / 'nope'}").lock()
+        _run_dir(f"run.dir={run_dir}", f"checkpoint.resume={tmp_path / 'nope'}").lock()
     assert not run_dir.exists()
 
 

@@ -112,3 +112,58 @@ def test_eval_microbatches_keep_the_token_budget_of_training(tmp_path):
         assert budgeted == pytest.approx(one_by_one, rel=1e-12)
     finally:
         trainer.close()
+
+
+def test_fit_is_a_screen_that_leaves_the_last_step_to_its_components():
+    """The loop asks its components and the preemption; which step is the last, and what happens
+    there, is theirs to decide: Trainer.fit holds no == or != comparison and fits on a screen."""
+    import ast
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(Trainer.fit))
+    fit = ast.parse(source).body[0]
+    equalities = [ast.unparse(node) for node in ast.walk(fit) if isinstance(node, ast.Compare)
+                  and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops)]
+    assert not equalities, f"Trainer.fit compares {equalities}: a component's schedule decides"
+    assert fit.end_lineno - fit.lineno + 1 <= 40, f"Trainer.fit is {fit.end_lineno - fit.lineno + 1} lines"
+
+
+class _Recorder:
+    """A component added without editing fit: it reads the numbers of step 2 only."""
+
+    def __init__(self):
+        self.ends, self.fit_ends = [], []
+
+    def reads(self, end) -> bool:
+        return end.step == 2
+
+    def on_step_end(self, end) -> None:
+        self.ends.append((end.step, end.last, end.val_loss is not None, end.saved is not None))
+
+    def on_fit_end(self, step: int) -> None:
+        self.fit_ends.append(step)
+
+
+def test_a_new_component_runs_after_every_step_and_the_stats_are_read_only_where_one_asks(tmp_path):
+    """A component appended to Trainer.components is told every step's end (after the evaluator
+    and the checkpointer that come before it have left their results) and the end of the fit; the
+    step statistics are read (the loop waits for the device) only on steps a component reads:
+    here step 2 (the recorder) and the last (eval, log line, checkpoint), never steps 1 and 3."""
+    trainer = _trainer(tmp_path, "trainer.max_steps=4", "trainer.log_every=100", "trainer.eval_every=0",
+                       "checkpoint.every=0")
+    recorder = _Recorder()
+    trainer.components.append(recorder)
+    read_at = []
+    real_read = trainer._read_steps
+    trainer._read_steps = lambda: (read_at.append(trainer.step), real_read())[1]
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert recorder.ends == [(1, False, False, False), (2, False, False, False), (3, False, False, False),
+                             (4, True, True, True)]
+    assert recorder.fit_ends == [4]
+    assert read_at == [2, 4]
+    assert [m["step"] for m in read_metrics(tmp_path)] == [4]
+    assert read_metrics(tmp_path)[0]["tokens_seen"] > 0  # the skipped step 2 and the others, read at 2 and 4
