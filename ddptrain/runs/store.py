@@ -16,10 +16,8 @@ A directory becomes visible under its final name only after every rank has writt
 marker is on disk, so `auto` can never pick a checkpoint that a killed run left half-written. A
 step directory already there is never taken for this save: it is moved aside, unread, first.
 
-Checkpoints written before the neutral layout hold `strategy/` instead of `state/`: the strategy's
-own files (ddp model.pt + optimizer.pt, zero* DeepSpeed's, fsdp already a DCP directory of the
-neutral layout). They still resume: fsdp's anywhere, ddp's and zero's with the strategy (and, for
-zero, the world size) that wrote them.
+Older checkpoints hold the strategy's own files in `strategy/` instead of `state/`; they resume
+with the strategy (and, for zero, the world size) that wrote them (fsdp's: anywhere).
 """
 
 from __future__ import annotations

@@ -5,14 +5,10 @@
     final/
         model.safetensors      the weights (tied aliases stored once)
         ddptrain_model.json    ModelSpec: what rebuilds the module, and the step
-        tokenizer.json         data.tokenizer, whatever its own name (model=hf: model.path's tokenizer files)
-        tokenizer_config.json  ... and the companions beside it that transformers reads with it
-        chat_template.jinja    (special_tokens_map.json, added_tokens.json): EOS, special tokens, chat
-                               template; data.chat_template, when set, is saved as chat_template.jinja
-        generation_config.json eos_token_id, the tokens the run taught the model to end with: data=sft's EOS
-                               and chat template's end-of-turn token, data=tokens' data.eod_token (none
-                               for text sources: they put no token between documents); model=hf: with
-                               save_pretrained's settings
+        tokenizer.json ...     data.tokenizer and the companions transformers reads with it (model=hf:
+                               model.path's tokenizer files); data.chat_template as chat_template.jinja
+        generation_config.json eos_token_id: the tokens the run taught the model to end with (data=sft's
+                               EOS and end-of-turn token, data=tokens' data.eod_token; none for text)
         config.json ...        model=hf: the directory is exactly a transformers save_pretrained one
 
 It is written under a temporary name and renamed into place, so a reader sees the old or the new

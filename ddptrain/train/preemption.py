@@ -111,19 +111,17 @@ class PreemptionWatcher:
         tiny all-reduce the host waits for): did any rank receive a preemption signal? False on other
         steps, without communicating. Every call marks a step boundary for the watchdog. Asked before
         the step's saves: a checkpoint that is written anyway is the preemption checkpoint, and the
-        watchdog stands down before it, not in the middle of it (before, a save longer than grace_s
-        after a signal was cut short, exit 128 + signal, and a signal at a save step off the check
-        schedule waited for a later check, with that step's checkpoint written in between)."""
+        watchdog stands down before it, not in the middle of it: a long save after a signal is not cut
+        short, and a signal at a save step off the check schedule is answered by that step's save."""
         self._boundary.set()
         return (saves or step % self.check_every == 0) and self.should_stop()
 
     @contextlib.contextmanager
     def unhurried(self) -> Iterator[None]:
         """A step's eval and saves, after its check: off the watchdog's clock, which times only how long
-        no step boundary comes. Before, a signal that arrived during them started that clock: a save
-        longer than grace_s was cut short (exit 128 + signal, the step's checkpoint left in its .tmp
-        directory), and the run fell back to the checkpoint before. The watcher asks again after the
-        saves (`stops`), so the checkpoint just written answers such a signal. A save stuck in a
+        no step boundary comes, so a signal that arrives during them cannot cut a long save short
+        (which would leave the step's checkpoint in its .tmp directory). The watcher asks again after
+        the saves (`stops`), so the checkpoint just written answers such a signal. A save stuck in a
         collective fails after dist.timeout_s, as a step does."""
         self._unhurried.set()
         try:
@@ -141,9 +139,8 @@ class PreemptionWatcher:
     def run_ends(self, step: int) -> None:
         """The last step, `step`, has begun: its checkpoint and final weights answer any signal,
         received or to come, as a preemption checkpoint would, so the watchdog stands down as it does
-        for one. Before, a signal after the run's last check (at any step when check_every exceeds the
-        steps left) left the last step's eval and saves on the watchdog's clock, and saves longer than
-        grace_s were cut short: no final/, no checkpoint, exit 128 + signal. Rank-local, no collective."""
+        for one: a signal after the run's last check (check_every may exceed the steps left) must not
+        cut the last step's saves short and leave no final/. Rank-local, no collective."""
         self._handling.set()
         if self.received is not None:
             log.warning("%s received, and the run reached its last step, %d, before its next preemption check "
