@@ -168,9 +168,9 @@ def main(argv: list[str] | None = None) -> None:
             plan = plans[row["strategy"]]
             grads = _mib(row["gradients"]) if row["gradients"] is not None else "      n/a"
             print(f"{row['strategy']:11} {rank:>4} {_mib(row['weights'])} {ratio(row, rank, 'weights')} "
-                  f"{_mib(plan.weights.bytes)} {grads} {ratio(row, rank, 'gradients')} {_mib(plan.gradients.bytes)} "
+                  f"{_mib(plan.weights)} {grads} {ratio(row, rank, 'gradients')} {_mib(plan.gradients)} "
                   f"{_mib(row['optimizer_state']):>10} {ratio(row, rank, 'optimizer_state')} "
-                  f"{_mib(plan.optimizer_state.bytes)} {_mib(row['activations'])} {_mib(plan.activations.bytes)}")
+                  f"{_mib(plan.optimizer_state)} {_mib(row['activations'])} {_mib(plan.activations.bytes)}")
     print("n/a: DeepSpeed keeps gradient partitions in its internal buffers, not in .grad; hsdp: fsdp with "
           f"strategy.replicate=2 ({2} x {args.world_size // 2})")
     lora = next((row for row in results[0] if row["strategy"].endswith(LORA_SUFFIX)), None)

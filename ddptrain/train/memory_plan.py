@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from ddptrain.config.schema import TrainConfig
 from ddptrain.contract.outputs import logits_of
 from ddptrain.engine.objective import token_loss_sum
 from ddptrain.strategies import strategy_class
-from ddptrain.strategies.footprint import BYTES_PER_VALUE, MiB, Collective, Layout, ParameterCounts
+from ddptrain.strategies.footprint import BYTES_PER_VALUE, MiB, Footprint, Layout, ParameterCounts
 
 GiB = 2**30
 ORDER = ("ddp", "zero1", "hsdp", "fsdp", "zero2", "zero3")
@@ -49,20 +49,14 @@ class Figure:
 
 
 @dataclass
-class StrategyPlan:
-    name: str
-    label: str
-    weights: Figure
-    gradients: Figure
-    optimizer_state: Figure
-    activations: Figure
-    other: Figure
-    collectives: list[Collective] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+class StrategyPlan(Footprint):
+    """A strategy's footprint (computed from the counts) with the microbatch's activations beside it."""
+
+    activations: Figure = field(default_factory=lambda: Figure(0.0, "computed"))
 
     @property
     def total(self) -> float:
-        return sum(f.bytes for f in (self.weights, self.gradients, self.optimizer_state, self.activations, self.other))
+        return self.weights + self.gradients + self.optimizer_state + self.activations.bytes + self.other
 
     def wire(self, level: str | None = None) -> float:
         return sum(c.wire for c in self.collectives if level is None or c.level == level)
@@ -145,15 +139,11 @@ def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: i
 
 def plan_strategies(counts: ModelCounts, layout: Layout) -> list[StrategyPlan]:
     """Every registered strategy's plan (each one's `memory_per_rank`) for this model and layout."""
-    plans = [StrategyPlan(rank.name, rank.label, computed(rank.weights), computed(rank.gradients),
-                          computed(rank.optimizer_state), counts.activations, computed(rank.other),
-                          [c for c in rank.collectives if c.ranks > 1], rank.notes)  # FSDP skips a one-rank call too
+    plans = [StrategyPlan(**{f.name: getattr(rank, f.name) for f in fields(rank)}, activations=counts.activations)
              for name in STRATEGY_NAMES for rank in strategy_class(name).memory_per_rank(counts, layout)]
+    for plan in plans:
+        plan.collectives = [c for c in plan.collectives if c.ranks > 1]  # FSDP skips a one-rank call too
     return plans
-
-
-def computed(value: float) -> Figure:
-    return Figure(value, "computed")
 
 
 def pick(plans: list[StrategyPlan], device_memory: float | None, bandwidth: float | None = None,
@@ -189,10 +179,10 @@ def format_plan(plans: list[StrategyPlan], counts: ModelCounts, layout: Layout, 
              f"{'total':>10} {'fits':>5}"]
     for p in plans:
         fits = "-" if device_memory is None else ("yes" if p.total <= device_memory else "no")
-        cells = [f"{_size(f.bytes)} {f.how[0]}" for f in (p.weights, p.gradients, p.optimizer_state)]
+        cells = [f"{_size(value)} c" for value in (p.weights, p.gradients, p.optimizer_state, p.other)]
         lines.append(f"{p.label:12} {cells[0]:>10} {cells[1]:>10} {cells[2]:>10} "
                      f"{_size(p.activations.bytes) + ' ' + p.activations.how[0]:>12} "
-                     f"{_size(p.other.bytes) + ' ' + p.other.how[0]:>10} {_size(p.total):>10} {fits:>5}")
+                     f"{cells[3]:>10} {_size(p.total):>10} {fits:>5}")
     lines.append("communication per optimizer step, per rank (payload = full tensor per call; wire = payload x "
                  "calls x ring factor: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n)")
     for p in plans:
