@@ -14,10 +14,9 @@ if __name__ == "__main__":  # `python -m` / `torchrun -m ddptrain`; see _start_c
 
 import hydra
 import torch._dynamo  # noqa: F401  (torch.optim's first call imports it anyway: here, while gc pauses)
-from omegaconf import DictConfig
 
 from ddptrain.config.compose import CONFIG_PATH, register_configs
-from ddptrain.config.schema import ConfigError
+from ddptrain.config.schema import ConfigError, TrainConfig
 from ddptrain.data import DataError
 from ddptrain.distributed import (destroy_distributed, env_world_size, init_distributed, set_parent_death_signal,
                                   setup_logging)
@@ -61,7 +60,7 @@ def _exit_with_the_other_ranks(code: int) -> None:
     sys.exit(code)
 
 
-def train(cfg: DictConfig) -> None:
+def train(cfg: TrainConfig) -> None:
     setup_logging()
     try:
         validate_run(cfg, env_world_size())  # before the process group: fails fast on every rank

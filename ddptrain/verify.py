@@ -33,7 +33,7 @@ from torch import nn
 
 from ddptrain.config.choices import STRATEGIES
 from ddptrain.config.compose import compose_config
-from ddptrain.config.schema import ConfigError
+from ddptrain.config.schema import ConfigError, TrainConfig
 from ddptrain.data import DataError
 from ddptrain.distributed import destroy_distributed, env_world_size, init_distributed, is_rank_zero, setup_logging
 from ddptrain.engine.engine import AUTOCAST
@@ -118,13 +118,13 @@ def _relative(value: float, reference: float) -> float:
     return abs(value - reference) / max(abs(reference), 1e-30)
 
 
-def _precision(cfg, on_configured_device: bool) -> str:
+def _precision(cfg: TrainConfig, on_configured_device: bool) -> str:
     """fp64 on the CPU, or the run's precision where its strategy supports it (fp32 otherwise)."""
     wanted = cfg.trainer.precision if on_configured_device else "fp64"
     return wanted if wanted in STRATEGIES[cfg.strategy.name].precisions else "fp32"
 
 
-def verify(cfg, steps: int = 3, on_configured_device: bool = False, tolerance: float | None = None,
+def verify(cfg: TrainConfig, steps: int = 3, on_configured_device: bool = False, tolerance: float | None = None,
            extra_batch_dependent: Iterable[str] = ()) -> Report:
     """Run `steps` steps of the configured layout and of one process over the whole global batch.
 

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ddptrain.config.schema import DataConfig
 from ddptrain.data import sft
 from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cache_key, default_cache_dir,
                                  file_stamp, open_tokens, relative_stamps)
@@ -33,7 +34,7 @@ _ENCODE_BATCH = 256  # documents per tokenizer call (HF tokenizers encode a batc
 _CHUNK = 1 << 24  # tokens per pass over a token file (bounded memory for any file size)
 
 
-def load_splits(data_cfg: Any, seq_len: int, local_rank: int | None = None):
+def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = None):
     """DataSplits of a `text | jsonl | tokens | hf | sft` source (see DataConfig), through the cache."""
     if data_cfg.name == "stdlib":  # data.vocab_size as for every source (ddptrain.plan counts the model with it)
         tokenizer = load_tokenizer(data_cfg.tokenizer)
@@ -143,7 +144,7 @@ def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path
             "replaced_documents": decoder.replaced_documents, "replaced_example": decoder.replaced_example}
 
 
-def _documents(data_cfg, train_files, val_files, hf_cache, progress,
+def _documents(data_cfg: DataConfig, train_files, val_files, hf_cache, progress,
                decoder: TextDecoder) -> Iterator[tuple[str, Any, bool]]:
     """(name, payload, is validation) of every document, up to data.max_docs of data.paths and as many
     of data.val_paths (as data=tokens counts them). Text that is empty or nothing but whitespace (a
