@@ -59,6 +59,18 @@ def _logged_steps(run_dir) -> int:
         return 0
 
 
+def _training(run_dir, overrides: list[str], steps: int, env: dict | None = None) -> subprocess.Popen:
+    """SMALL_RUN on 2 ranks in run_dir (its own session), returned once `steps` steps are logged; the
+    whole session is killed if they never are."""
+    launcher = _start([*SMALL_RUN, *overrides, f"run.dir={run_dir}"], nproc=2, env=env)
+    try:
+        _wait_for(lambda: _logged_steps(run_dir) >= steps, 120, f"{steps} logged step(s)")
+    except BaseException:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        raise
+    return launcher
+
+
 # -- the lock -------------------------------------------------------------------------------------
 
 
@@ -89,9 +101,8 @@ def test_lock_names_a_live_holder_and_takes_over_stale_ones(tmp_path):
 @pytest.mark.slow
 def test_a_second_launch_on_a_live_run_dir_fails_at_start_up(tmp_path):
     run_dir = tmp_path / "run"
-    first = _start([*SMALL_RUN, "trainer.max_steps=100000", f"run.dir={run_dir}"], nproc=2)
+    first = _training(run_dir, ["trainer.max_steps=100000"], steps=1)
     try:
-        _wait_for(lambda: _logged_steps(run_dir) >= 1, 120, "the first run's first step")
         second = run_cli([*SMALL_RUN, "trainer.max_steps=100000", f"run.dir={run_dir}"], nproc=2)
         assert second.returncode != 0 and "exitcode  : 2" in second.stderr, second.stderr[-3000:]
         assert f"run.dir {run_dir} is in use by another run: host {socket.gethostname()}" in second.stderr
@@ -111,9 +122,8 @@ def test_a_second_launch_on_a_live_run_dir_fails_at_start_up(tmp_path):
 @pytest.mark.slow
 def test_workers_do_not_outlive_torchrun_and_the_next_launch_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    launcher = _start([*SMALL_RUN, "trainer.max_steps=400", f"run.dir={run_dir}"], nproc=2)
+    launcher = _training(run_dir, ["trainer.max_steps=400"], steps=2)
     try:
-        _wait_for(lambda: _logged_steps(run_dir) >= 2, 120, "two steps")
         os.kill(launcher.pid, signal.SIGKILL)  # torchrun alone: its workers get the parent-death signal
         launcher.wait(timeout=10)
         _wait_for(lambda: _session_pids(launcher.pid) == [], 60, "the orphaned workers to exit")
@@ -132,10 +142,9 @@ def test_workers_do_not_outlive_torchrun_and_the_next_launch_resumes(tmp_path):
 @pytest.mark.slow
 def test_a_rank_stuck_in_a_collective_exits_when_torchrun_stops_it(tmp_path):
     run_dir = tmp_path / "run"
-    launcher = _start([*SMALL_RUN, "trainer.max_steps=50", "checkpoint.preempt_grace_s=3", "dist.timeout_s=300",
-                       f"run.dir={run_dir}"], nproc=2, env={"DDPTRAIN_FAILPOINT": "hang@3:1"})
+    launcher = _training(run_dir, ["trainer.max_steps=50", "checkpoint.preempt_grace_s=3", "dist.timeout_s=300"],
+                         steps=2, env={"DDPTRAIN_FAILPOINT": "hang@3:1"})
     try:
-        _wait_for(lambda: _logged_steps(run_dir) >= 2, 120, "two steps")
         time.sleep(2)  # rank 1 now sleeps before step 3; rank 0 waits for it inside a collective
         signalled = time.monotonic()
         os.kill(launcher.pid, signal.SIGTERM)
