@@ -1,0 +1,85 @@
+"""The output head and the objective over the valid targets only, a chunk of rows at a time.
+
+head_token_sum(hidden, head, targets, objective) is Objective.token_sum(head(hidden), targets),
+the numerator of the step's mean, computed without the (B, T, V) logits: it gathers the positions
+whose target is valid and runs head + objective on `chunk_tokens` of them at a time, recomputing
+each chunk's logits in backward. What must stay true:
+
+- The same sums as the full logits (the same per-token arithmetic: Objective.token_sum on each
+  chunk), up to the order of float additions; the count of valid targets stays the caller's.
+- No logits beyond one chunk's are alive, in forward or backward: (min(chunk_tokens, N_valid), V)
+  logits and their gradient at most; autograd keeps the gathered (N_valid, D) hidden states.
+- The head's FLOPs are spent on valid targets only (one more forward of the head per chunk, in
+  backward).
+- No valid target: 0 (not NaN), still through the head, so that every parameter of the head gets
+  a gradient (zeros) and DDP and FSDP see it used.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.engine.objective import Objective
+
+DEFAULT_CHUNK_TOKENS = 1024
+"""Rows per chunk: the chunk's fp32 logits are 1024 x V (200 MB at V = 49,152), small beside a model
+with such a vocabulary, and a (1024, D) x (D, V) matmul is still large enough to run at full speed."""
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+
+
+def head_token_sum(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objective: Objective | None = None,
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """objective.token_sum(head(hidden), targets), without ever holding more than one chunk's logits.
+
+    hidden: (..., D), the last hidden states; targets: (...), -100 where ignored; head: any callable
+    from (N, D) to (N, V) logits (an nn.Linear, a tied embedding's weight in F.linear, a LoRA-wrapped
+    Linear); objective: None for plain cross-entropy. The sum is in at least float32, as
+    Objective.token_sum's (bf16 or fp16 logits are upcast per chunk).
+    """
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens {chunk_tokens!r} must be a positive int")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden states of shape {tuple(hidden.shape)} must be the targets' shape "
+                         f"{tuple(targets.shape)} plus one hidden dimension")
+    objective = objective if objective is not None else Objective()
+    flat_targets = targets.reshape(-1)
+    is_valid = flat_targets != IGNORE_INDEX
+    # Boolean indexing learns N_valid on the host (one device sync per call on CUDA): the price of
+    # running the head on valid rows only, and of chunks whose shapes are known.
+    valid_hidden = hidden.reshape(-1, hidden.size(-1))[is_valid]  # (N_valid, D)
+    valid_targets = flat_targets[is_valid]  # (N_valid,)
+    # With no valid target, split gives one empty chunk: head + objective on 0 rows is 0, and its
+    # graph still reaches the head's parameters.
+    pieces = [
+        _chunk_sum(hidden_chunk, head, target_chunk, objective)
+        for hidden_chunk, target_chunk in zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))
+    ]
+    return pieces[0] if len(pieces) == 1 else torch.stack(pieces).sum()
+
+
+def _chunk_sum(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,
+               objective: Objective) -> torch.Tensor:
+    """Head + objective on one chunk, under non-reentrant activation checkpointing.
+
+    Why checkpointing and not a hand-written autograd.Function that computes the gradients of the
+    chunk's hidden states and of the head's weight in its forward (Liger's fused linear
+    cross-entropy): autograd then differentiates whatever the head is. A LoRA-wrapped Linear (base
+    frozen, two adapters, dropout), a weight tied to the embedding (its gradient accumulates into
+    the one parameter), a head under FSDP or autocast all work without this module knowing their
+    parameters; the recomputation runs the same operations on the same inputs, so the gradients are
+    those of the full logits. Non-reentrant: it works with inputs or parameters that need no grad,
+    restores the RNG state (the same dropout mask) and the autocast state in the recomputation.
+    The price is one more forward of the head per chunk.
+    """
+    return checkpoint(_head_objective_sum, hidden_chunk, head, target_chunk, objective, use_reentrant=False)
+
+
+def _head_objective_sum(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,
+                        objective: Objective) -> torch.Tensor:
+    return objective.token_sum(head(hidden_chunk), target_chunk)  # (C, V) logits alive only in here
