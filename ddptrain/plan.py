@@ -4,12 +4,12 @@ what one rank holds and sends under each strategy, before paying for a run.
     python -m ddptrain.plan --world-size 16 --ranks-per-node 8 --device-memory 80GiB \\
         --bandwidth 400GB/s --inter-node-bandwidth 50GB/s model.n_layer=12 model.n_embd=768
 
-It takes the training overrides, builds the model on the meta device (nothing is allocated) and
-prints per strategy (ddp, zero1/2/3, fsdp, HSDP) the weights, gradients, optimizer state, the
-activations of one microbatch, other buffers and the total per rank, each marked measured or
-computed; then each strategy's collectives per optimizer step with bytes on the wire (ring factors)
-and, given bandwidths, the time; with a device memory, what fits and the pick. How each figure is
-made: ddptrain/train/memory_plan.py.
+It takes the training overrides, builds the model from its config on the meta device (nothing is
+allocated, no weight file read) and prints per strategy (ddp, zero1/2/3, fsdp, HSDP) the weights,
+gradients, optimizer state, the activations of one microbatch, other buffers and the total per
+rank, each marked measured or computed; then each strategy's collectives per optimizer step with
+bytes on the wire (ring factors) and, given bandwidths, the time; with a device memory, what fits
+and the pick. How each figure is made: ddptrain/train/memory_plan.py.
 """
 
 from __future__ import annotations

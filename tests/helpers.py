@@ -183,3 +183,16 @@ def save_bpe_tokenizer(path: Path, texts=("def main():\n    return self.value + 
     tokenizer.train_from_iterator(list(texts) * 50, trainer=trainer)
     tokenizer.save(str(path))
     return path
+
+
+def save_pretrained_llama(path: Path, vocab_size: int = 300, seed: int = 0) -> Path:
+    """A tiny "pretrained" Llama directory: random weights in model.safetensors (save_pretrained) and
+    a byte-level BPE tokenizer.json of 290 ids beside them, as a real model directory holds both."""
+    transformers = import_optional("transformers")
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    save_bpe_tokenizer(path / "tokenizer.json")
+    return path

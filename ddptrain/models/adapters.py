@@ -50,8 +50,12 @@ class ModelAdapter:
         """The tokenizer of a run with data.tokenizer=null; None: bytes."""
         return None
 
-    def build(self, model_cfg: dict, vocab_size: int, seq_len: int) -> tuple[nn.Module, ModelSpec]:
-        """The module of the `model` config section (a plain dict) and its spec. Seed torch first."""
+    def build(self, model_cfg: dict, vocab_size: int, seq_len: int,
+              weights: bool = True) -> tuple[nn.Module, ModelSpec]:
+        """The module of the `model` config section (a plain dict) and its spec. Seed torch first.
+        `weights=False`: the same module (shapes, dtypes, what trains) with no weight file read, for
+        the memory plan on the meta device; the built-in GPT never reads one, and a `_target_`
+        factory is called as for training (what it reads is its own)."""
         config = dict(model_cfg)
         module = self._new_module(config, vocab_size, seq_len)
         spec = ModelSpec(kind=self.kind, config=config, vocab_size=vocab_size, max_seq_len=seq_len,
@@ -177,27 +181,26 @@ class HFAdapter(ModelAdapter):
         found = hf.tokenizer_file(model_cfg["path"])
         return str(found) if found is not None else None
 
-    def build(self, model_cfg: dict, vocab_size: int, seq_len: int) -> tuple[nn.Module, ModelSpec]:
+    def build(self, model_cfg: dict, vocab_size: int, seq_len: int,
+              weights: bool = True) -> tuple[nn.Module, ModelSpec]:
         """The model of model.path; with model.lora, peft's adapter over it, the base frozen and
-        fingerprinted (ddptrain.models.lora)."""
+        fingerprinted (ddptrain.models.lora). `weights=False`: built from config.json, the weight
+        files neither loaded nor hashed (the spec then holds no fingerprint of the base)."""
         config = dict(model_cfg)
-        module = self._new_module(config, vocab_size, seq_len)
+        module = hf.load_causal_lm(config["path"], config.get("attn_implementation", "sdpa"), vocab_size, weights)
         hf_config, base_weights = module.config.to_dict(), None
         if lora.is_enabled(config):
             if not hf.has_weights(Path(config["path"]).expanduser()):
                 raise ModelError(f"model.lora.r={config['lora']['r']}: model.path={config['path']} has no weights "
                                  f"({', '.join(hf.WEIGHT_FILES)}); LoRA trains an adapter over pretrained weights, "
                                  "set model.lora.r=0 to train every weight from the config")
-            base_weights = lora.fingerprint(module)
+            base_weights = lora.fingerprint(module) if weights else None
             module = lora.wrap(module, config["lora"], config["path"])
             hf.take_packed_rows(module)
         spec = ModelSpec(kind=self.kind, config=config, vocab_size=vocab_size, max_seq_len=seq_len,
                          class_name=class_path(module), hf_config=hf_config, tied=tied_parameters(module),
                          base_weights=base_weights)
         return module, spec
-
-    def _new_module(self, config: dict, vocab_size: int, seq_len: int) -> nn.Module:
-        return hf.load_causal_lm(config["path"], config.get("attn_implementation", "sdpa"), vocab_size)
 
     def saves_frozen_weights(self, spec: ModelSpec) -> bool:
         return not lora.is_enabled(spec.config)  # LoRA: the frozen base is model.path's, fingerprinted

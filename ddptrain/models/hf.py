@@ -63,8 +63,10 @@ def tokenizer_file(path: str | Path) -> Path | None:
     return file if file.is_file() else None
 
 
-def load_causal_lm(path: str, attn_implementation: str, vocab_size: int) -> nn.Module:
-    """Weights from `path` if it has them (fine-tuning), else a fresh model from its config.json."""
+def load_causal_lm(path: str, attn_implementation: str, vocab_size: int, weights: bool = True) -> nn.Module:
+    """Weights from `path` if it has them (fine-tuning), else a fresh model from its config.json.
+    `weights=False`: from config.json whatever the directory holds, no weight file opened (the
+    memory plan builds so on the meta device, where from_pretrained refuses to run)."""
     transformers = _transformers()
     directory = Path(path).expanduser()
     if not directory.is_dir():
@@ -73,7 +75,7 @@ def load_causal_lm(path: str, attn_implementation: str, vocab_size: int) -> nn.M
         raise ModelError(f"model.path={path}: no config.json in the directory (a transformers model directory "
                          "holds config.json, and weights to fine-tune from)")
     try:
-        if has_weights(directory):
+        if weights and has_weights(directory):
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 directory, local_files_only=True, attn_implementation=attn_implementation, dtype=torch.float32)
         else:

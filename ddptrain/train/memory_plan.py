@@ -2,8 +2,8 @@
 
 For the configured model, layout and world size, per rank and per strategy (ddp, zero1/2/3, fsdp,
 HSDP): weights, gradients, optimizer state, the activations of one microbatch, other buffers, the
-total, whether it fits the device, and the collectives of one optimizer step. Nothing real is
-allocated: the model is built on the meta device.
+total, whether it fits the device, and the collectives of one optimizer step. Nothing is allocated:
+the model is built from its config on the meta device (no weight file is opened).
 
 - Parameters: counted on the meta-device model (measured: the module's own tensors).
 - Activations: one forward and backward of one microbatch on the meta device, with
@@ -241,8 +241,8 @@ def plan_for_config(cfg: TrainConfig, world_size: int,
     adapter = adapter_for(model_cfg)
     tokenizer = cfg.data.tokenizer if cfg.data.tokenizer is not None else adapter.default_tokenizer(model_cfg)
     vocab_size = int(cfg.data.vocab_size or load_tokenizer(tokenizer).vocab_size)
-    with meta_device():
-        model, _ = adapter.build(model_cfg, vocab_size, cfg.batch.seq_len)
+    with meta_device():  # from the config: a weight file is neither read nor hashed (LoRA's base fingerprint)
+        model, _ = adapter.build(model_cfg, vocab_size, cfg.batch.seq_len, weights=False)
     if cfg.trainer.activation_checkpointing:
         adapter.enable_activation_checkpointing(model)
     batch = cfg.batch

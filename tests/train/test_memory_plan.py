@@ -17,7 +17,7 @@ import ddptrain
 from ddptrain.testing import record_collectives, run_distributed
 from ddptrain.train.memory_plan import Layout, count_model, formula_activation_bytes, meta_device, parse_bytes, plan_strategies
 from ddptrain.models import GPT, GPTConfig
-from tests.helpers import REPO, SEQ, VOCAB, microbatch, tiny_gpt
+from tests.helpers import REPO, SEQ, VOCAB, import_optional, microbatch, save_pretrained_llama, tiny_gpt
 
 GPT2_SMALL = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "data.vocab_size=50304",
               "batch.seq_len=1024", "batch.global_size=64", "batch.micro_size=4"]
@@ -57,6 +57,32 @@ def test_the_plan_of_gpt2_small_and_a_1b_llama_prints_in_seconds_without_allocat
         assert seconds < 60, seconds
         # fp32 weights alone would be 0.5 GB (GPT-2 small) and 4.9 GB (1B): none were allocated
         assert peak < 1.5e9, peak
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_directory_with_weights_is_planned_from_its_config_without_reading_them(tmp_path, lora):
+    """A weighted model directory (and a LoRA adapter over it) is planned with the real model's
+    parameter counts, and the weights file is never opened: garbage in its place breaks loading, not
+    the plan."""
+    transformers = import_optional("transformers")
+    from ddptrain.models.adapters import HFAdapter
+
+    model_dir = save_pretrained_llama(tmp_path / "llama")
+    model_cfg = {"name": "hf", "path": str(model_dir), "attn_implementation": "sdpa",
+                 "lora": {"r": 4 if lora else 0, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}}
+    real, _ = HFAdapter().build(model_cfg, 290, 64)
+    trainable, parameters = real.get_nb_trainable_parameters() if lora else (real.num_parameters(),) * 2
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(b"\xff" * weights.stat().st_size)
+    with pytest.raises(Exception):  # noqa: B017 - whatever transformers raises: the file is unreadable
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    result, _, _ = _plan_cli(["model=hf", f"model.path={model_dir}", f"model.lora.r={model_cfg['lora']['r']}",
+                              "batch.seq_len=64", "batch.global_size=8", "batch.micro_size=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"memory plan: {parameters:,} parameters ({trainable:,} train)" in result.stdout, result.stdout
+    assert "\nzero3 " in result.stdout and "communication per optimizer step" in result.stdout
+    if lora:
+        assert 0 < trainable < parameters
 
 
 def test_measured_activations_follow_checkpointing_and_precision():
