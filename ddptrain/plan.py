@@ -21,7 +21,9 @@ from hydra.errors import HydraException
 
 from ddptrain.config.compose import compose_config
 from ddptrain.config.schema import ConfigError
+from ddptrain.data import DataError
 from ddptrain.distributed import env_world_size
+from ddptrain.models.spec import ModelError
 from ddptrain.train.builder import validate_run
 from ddptrain.train.memory_plan import format_plan, parse_bytes, plan_for_config
 
@@ -44,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     memory = args.device_memory or _device_memory()
-    plans, counts, layout = plan_for_config(cfg, world_size, args.ranks_per_node)
+    try:
+        plans, counts, layout = plan_for_config(cfg, world_size, args.ranks_per_node)
+    except (ModelError, DataError) as error:  # a model.path or tokenizer that is not there: the user's to fix
+        print(f"{'model' if isinstance(error, ModelError) else 'data'} error: {error}", file=sys.stderr)
+        return 2
     print(format_plan(plans, counts, layout, memory, args.bandwidth, args.inter_node_bandwidth))
     return 0
 

@@ -136,6 +136,14 @@ def _by_kind(calls: list[dict]) -> dict:
     return totals
 
 
+def test_a_model_directory_that_is_not_there_is_a_model_error_not_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ddptrain.plan", "model=hf", f"model.path={tmp_path / 'nope'}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"model error: model.path={tmp_path / 'nope'}: no such directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("world_size", [4, pytest.param(2, marks=pytest.mark.slow)])
 def test_plan_payloads_equal_those_counted_on_gloo_ranks(world_size):
     """4 ranks: ddp, fsdp 1x4, HSDP 2x2; 2 ranks: ddp, fsdp 1x2, HSDP 2x1 (replicas only)."""
