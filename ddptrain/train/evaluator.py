@@ -20,8 +20,12 @@ from ddptrain.data.global_batch import split_micro
 from ddptrain.distributed import DistInfo, all_reduce_sum
 from ddptrain.engine.engine import Engine
 from ddptrain.contract.targets import IGNORE_INDEX
-from ddptrain.engine.objective import token_loss_sum
+from ddptrain.engine.chunked import valid_positions_of
+from ddptrain.engine.objective import Objective
 from ddptrain.train.components import StepEnd
+
+CROSS_ENTROPY = Objective()
+"""The validation loss is the plain mean cross-entropy, whatever the training objective adds."""
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +90,9 @@ class Evaluator:
             else:  # a filler: this rank's share is used up
                 inputs = torch.zeros(1, 1, dtype=torch.long)
                 targets = torch.full((1, 1), IGNORE_INDEX, dtype=torch.long)
+            positions = valid_positions_of(targets)  # on the host: no device sync
             inputs, targets = inputs.to(device), targets.to(device)
-            logits = engine.forward(inputs)
-            sums[0] += token_loss_sum(logits, targets).double()
+            sums[0] += engine.token_sum(inputs, targets, CROSS_ENTROPY, positions).double()
             sums[1] += (targets != IGNORE_INDEX).sum()
         model.train()
         all_reduce_sum(sums)
