@@ -80,3 +80,17 @@ class FailsOnPackedRowsLM(CausalConvLM):
 
 def make_fails_on_packed_rows_lm(vocab_size: int) -> FailsOnPackedRowsLM:
     return FailsOnPackedRowsLM(vocab_size, 16, 3)
+
+
+class HeadLossConvLM(CausalConvLM):
+    """CausalConvLM following the head-loss protocol: with head_loss=, its hidden states and head."""
+
+    def forward(self, idx: torch.Tensor, head_loss=None) -> torch.Tensor:
+        x = self.embed(idx).transpose(1, 2)
+        x = self.conv(nn.functional.pad(x, (self.kernel - 1, 0))).transpose(1, 2)
+        hidden = x + self.mlp(x)
+        return self.head(hidden) if head_loss is None else head_loss(hidden, self.head)
+
+
+def make_head_loss_conv_lm(vocab_size: int, width: int = 32, kernel: int = 4) -> HeadLossConvLM:
+    return HeadLossConvLM(vocab_size, width, kernel)

@@ -14,7 +14,8 @@ from ddptrain.engine.objective import Objective
 from ddptrain.models import hf
 from ddptrain.testing import run_distributed
 from tests.engine.reference import case_microbatches
-from tests.helpers import SEQ, VOCAB, import_deepspeed, import_optional, relative_difference, requires, tiny_gpt
+from tests.helpers import (MODEL_RUN, SEQ, VOCAB, import_deepspeed, import_optional, read_metrics, relative_difference,
+                           requires, run_cli, tiny_gpt)
 
 OBJECTIVE = Objective(label_smoothing=0.1, z_loss=1e-3)
 ZERO = {"micro_batch_size": 3, "grad_accum_steps": 3}
@@ -150,3 +151,19 @@ def test_a_transformers_model_that_scales_its_logits_keeps_the_full_logits():
     assert problem is not None and "final_logit_softcapping=30.0" in problem
     assert ddptrain.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "ddp",
                            device=torch.device("cpu")).chunked_head is False
+
+
+def test_a_target_model_that_takes_head_loss_trains_the_same_through_the_chunked_head(tmp_path):
+    """The README's protocol for `_target_` models, through the command line: the start-up line says
+    which path runs, and the curve equals the full logits' (fp64)."""
+    common = [*MODEL_RUN, "model=custom", "model._target_=tests.toy_models.make_head_loss_conv_lm",
+              "trainer.precision=fp64", "trainer.max_steps=3", "trainer.log_every=1", "trainer.head_chunk_tokens=7"]
+    curves, logs = {}, {}
+    for chunked in (True, False):
+        run_dir = tmp_path / str(chunked)
+        result = run_cli([*common, f"trainer.chunked_head={str(chunked).lower()}", f"run.dir={run_dir}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[chunked], logs[chunked] = [m["loss"] for m in read_metrics(run_dir)], result.stderr
+    assert "loss: the output head and the objective on the valid targets only, 7 rows at a time" in logs[True]
+    assert "loss: the output head" not in logs[False]
+    assert curves[True] == pytest.approx(curves[False], rel=1e-9, abs=0)
