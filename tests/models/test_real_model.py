@@ -1,6 +1,8 @@
 """A real pretrained model (SmolLM2-135M-Instruct, tests/real_model.py) where the rest of the suite
-uses tiny random ones: the conversion from GGUF is right (it answers), a LoRA fine-tune through the
-CLI on real text lowers its held-out loss, and the plan reads its directory with weights in it."""
+uses tiny random ones: the conversion from GGUF is right (it answers); LoRA and full fine-tunes
+through the CLI on real text lower its held-out loss through the chunked head; layouts and the full
+logits give the same curve; the merged export and load_model give the same logits; the server
+answers an OpenAI client; the plan reads its directory with weights in it."""
 
 from __future__ import annotations
 
@@ -48,17 +50,91 @@ def test_the_built_model_answers_through_its_chat_template(loaded):
     assert "Paris" in answer, answer
 
 
-def test_a_lora_fine_tune_on_python_sources_lowers_the_held_out_loss(model_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    result = run_cli(["model=hf", f"model.path={model_dir}", "model.lora.r=8", "model.lora.alpha=16", "data=text",
-                      f"data.paths=[{','.join(str(STDLIB / name) for name in TRAIN_FILES)}]",
-                      f"data.val_paths=[{','.join(str(STDLIB / name) for name in VAL_FILES)}]",
-                      f"data.cache_dir={tmp_path / 'cache'}", "batch.seq_len=128", "batch.global_size=4",
-                      "batch.micro_size=4", "trainer.max_steps=6", "trainer.eval_every=2", "trainer.eval_examples=8",
-                      "trainer.log_every=1", "optim.lr=1e-3", "optim.warmup_steps=1", f"run.dir={run_dir}"])
+def python_sources(cache: Path) -> list[str]:
+    return ["data=text", f"data.paths=[{','.join(str(STDLIB / name) for name in TRAIN_FILES)}]",
+            f"data.val_paths=[{','.join(str(STDLIB / name) for name in VAL_FILES)}]", f"data.cache_dir={cache}",
+            "batch.seq_len=128", "batch.global_size=4", "trainer.log_every=1", "optim.warmup_steps=1"]
+
+
+CHUNKED = "loss: the output head and the objective on the valid targets only"
+
+
+@pytest.fixture(scope="module")
+def lora_run(model_dir, tmp_path_factory):
+    """A LoRA fine-tune of 6 steps on Python sources: (run dir, the launch's stderr)."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    result = run_cli(["model=hf", f"model.path={model_dir}", "model.lora.r=8", "model.lora.alpha=16",
+                      *python_sources(run_dir.parent / "cache"), "batch.micro_size=4", "trainer.max_steps=6",
+                      "trainer.eval_every=2", "trainer.eval_examples=8", "optim.lr=1e-3", f"run.dir={run_dir}"])
     assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result.stderr
+
+
+def test_a_lora_fine_tune_on_python_sources_lowers_the_held_out_loss(lora_run):
+    run_dir, stderr = lora_run
+    assert CHUNKED in stderr, "the real model trains through the chunked head"
     evals = [line["val_loss"] for line in read_metrics(run_dir) if "val_loss" in line]
     assert len(evals) == 3 and evals[-1] < evals[0], evals
+
+
+def test_a_full_fine_tune_lowers_the_held_out_loss_through_the_chunked_head(model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(["model=hf", f"model.path={model_dir}", *python_sources(tmp_path / "cache"),
+                      "batch.micro_size=2", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.eval_examples=8",
+                      "optim.lr=3e-5", "trainer.head_chunk_tokens=100", f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{CHUNKED}, 100 rows at a time" in result.stderr
+    evals = [line["val_loss"] for line in read_metrics(run_dir) if "val_loss" in line]
+    assert len(evals) == 3 and evals[-1] < evals[0], evals
+
+
+def test_layouts_and_the_full_logits_give_the_same_curve_on_the_real_model(model_dir, tmp_path):
+    """fp32 on the real model (vocabulary 49,152): 1 rank x 4 rows, 2 ranks x 1 row, a token budget,
+    and the full logits (trainer.chunked_head=false), each 3 steps of LoRA with the head adapted."""
+    common = ["model=hf", f"model.path={model_dir}", "model.lora.r=4",
+              "model.lora.target_modules=[q_proj,v_proj,lm_head]", *python_sources(tmp_path / "cache"),
+              "trainer.max_steps=3", "optim.lr=1e-3", "trainer.eval_examples=4"]
+    layouts = {"1x4": (1, ["batch.micro_size=4"]), "2x1": (2, ["batch.micro_size=1"]),
+               "budget": (1, ["batch.micro_tokens=256"]), "full logits": (1, ["batch.micro_size=4",
+                                                                                "trainer.chunked_head=false"])}
+    curves = {}
+    for name, (ranks, layout) in layouts.items():
+        run_dir = tmp_path / name.replace(" ", "_")
+        result = run_cli([*common, *layout, f"run.dir={run_dir}"], nproc=ranks, timeout=600)
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        curves[name] = [(line["tokens"], line["loss"]) for line in read_metrics(run_dir)]
+    reference = curves.pop("1x4")
+    for name, curve in curves.items():
+        assert [tokens for tokens, _ in curve] == [tokens for tokens, _ in reference], name
+        assert [loss for _, loss in curve] == pytest.approx([loss for _, loss in reference], rel=1e-5), name
+
+
+def test_the_merged_export_and_load_model_give_the_same_logits(lora_run, tmp_path):
+    import ddptrain
+
+    run_dir, _ = lora_run
+    result = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(tmp_path / "merged"),
+                             "--merge"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    trained = ddptrain.load_model(run_dir)
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")("def main():\n    return 1",
+                                                                            return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected, got = trained(ids).logits, merged(ids).logits
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_the_server_answers_an_openai_client(lora_run, tmp_path):
+    openai = import_optional("openai")
+    from tests.serving.test_serve import serve_cli
+
+    run_dir, _ = lora_run
+    with serve_cli(run_dir, tmp_path / "serve.log") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        reply = client.chat.completions.create(model="ddptrain", max_tokens=12, temperature=0,
+                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in reply.choices[0].message.content, reply
 
 
 def test_the_plan_reads_the_directory_with_weights_and_counts_its_parameters(model_dir, loaded):
