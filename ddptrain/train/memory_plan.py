@@ -33,6 +33,7 @@ from ddptrain.config.choices import PRECISION_DTYPES, STRATEGY_NAMES
 from ddptrain.config.schema import TrainConfig
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
 from ddptrain.engine.chunked import HeadLoss
+from ddptrain.models.gpt import GPT
 from ddptrain.engine.objective import token_loss_sum
 from ddptrain.strategies import strategy_class
 from ddptrain.strategies.footprint import BYTES_PER_VALUE, MiB, Footprint, Layout, ParameterCounts
@@ -105,24 +106,46 @@ def saved_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int
     with every target valid (its most: the gathered hidden states)."""
     dtype = getattr(torch, PRECISION_DTYPES[precision])
     run = model if next(model.parameters()).dtype == dtype else model.to(dtype)  # meta: no copy of any data
-    saved = [0]
+    saved, seen = [0], {}
+    fused = _fused_attention(run)
 
-    def pack(tensor: torch.Tensor):  # weights saved by reference (or as a view: W.t()) are not activations
-        if not isinstance(tensor if tensor._base is None else tensor._base, nn.Parameter):
-            saved[0] += tensor.numel() * tensor.element_size()
+    def pack(tensor: torch.Tensor):
+        base = tensor if tensor._base is None else tensor._base
+        # Weights saved by reference (or as a view: W.t()) are not activations; a tensor saved by
+        # several operations (a block's input, by each of q, k and v's projections) is held once.
+        if isinstance(base, nn.Parameter) or id(base) in seen:
+            return tensor
+        seen[id(base)] = base  # kept alive to the end, so that no other tensor takes its id
+        # The meta device runs SDPA's math decomposition, which keeps the (B, H, T, T) probabilities;
+        # the fused kernels a real device runs (flash, memory-efficient) keep O(T) per row instead.
+        if not (fused and base.dim() >= 3 and base.shape[-1] == base.shape[-2] == seq_len):
+            saved[0] += base.numel() * base.element_size()
         return tensor
 
     inputs = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    # transformers: with a cache it does not search the position ids for packed sequences, which reads a
+    # value (impossible on meta); the cache itself holds no tensor autograd saves.
+    extra = {"use_cache": True} if hasattr(getattr(run, "config", None), "use_cache") else {}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         if head_chunk_tokens and takes_head_loss(run):
             every = torch.arange(micro_batch_size * seq_len, device="meta")
-            loss = run(inputs, **{HEAD_LOSS: HeadLoss(targets, None, head_chunk_tokens, every)})
+            loss = run(inputs, **extra, **{HEAD_LOSS: HeadLoss(targets, None, head_chunk_tokens, every)})
         else:
-            loss = token_loss_sum(logits_of(run(inputs)), targets)
+            loss = token_loss_sum(logits_of(run(inputs, **extra)), targets)
     if loss.requires_grad:
         loss.backward()
     return saved[0]
+
+
+def _fused_attention(model: nn.Module) -> bool:
+    """Whether the model's attention runs a fused SDPA kernel in training (the built-in GPT, and
+    transformers' sdpa, flash or ddptrain's packed attention), not one that keeps the T x T
+    probabilities (transformers' eager; a `_target_` model, not known: counted as kept)."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation is not None:
+        return implementation != "eager"
+    return isinstance(model, GPT)
 
 
 def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int, precision: str,

@@ -110,6 +110,7 @@ class Trainer:
         builder.resolve_tokenizer(cfg)  # before the config diff: checkpoints hold the resolved config
         saved = self.run_dir.saved_state()
         self.run_dir.write_run_files()
+        self._memory_baseline = peak_memory_bytes(self.dist.device)  # what the run's own memory is measured from
         self.built = builder.build(cfg, self.dist)
         log_equivalence_caveats(self.built.model)  # batch-dependent or stochastic modules: rank 0 warns once
         self._fingerprint_inputs(saved)
@@ -208,6 +209,7 @@ class Trainer:
         counters = {
             "tokens_seen": self.state.tokens_seen,
             "peak_memory_bytes": peak_memory_bytes(self.dist.device),
+            "memory_baseline_bytes": self._memory_baseline,
             "skipped_steps": self.engine.skipped_steps,
             "filler_microbatches": self.state.filler_microbatches,
             "samples_seen": self.train_batches.plan.samples_seen(self.step),
