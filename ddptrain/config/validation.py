@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import signal
 import typing
 from typing import Any
@@ -105,9 +106,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
                           "clipping)")
     if not 0 <= cfg.run.seed < 1 << 64:  # torch.manual_seed and numpy's generators take unsigned 64-bit seeds
         raise ConfigError(f"run.seed={cfg.run.seed!r} must be in [0, 2**64)")
-    if not str(cfg.run.dir).strip():  # Path("") is the working directory: the run would write into it
-        raise ConfigError(f"run.dir={cfg.run.dir!r} is empty: give the run's directory, e.g. run.dir=runs/mine "
-                          "(run.dir=. for the working directory)")
+    _validate_run_dir(cfg.run.dir)
     _validate_optim(cfg.optim)
     if not 0 <= cfg.data.val_percent < 100:
         raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
@@ -134,6 +133,21 @@ def _validate_values(cfg: Any, world_size: int) -> int:
             rule = "at least" if batch.micro_tokens is not None else "divisible by"
             raise ConfigError(f"batch.global_size={batch.global_size} must be {rule} the world size {world_size}")
     return BatchLayout.of(batch, world_size).grad_accum_steps or 0  # 0: varies per step and rank
+
+
+def _validate_run_dir(run_dir: str) -> None:
+    """The filesystem root and the home directory are nobody's run dir: a run writes config.yaml,
+    train.log, metrics.jsonl, checkpoints/ and final/ into its run.dir (and moves an earlier run's
+    to previous/). What else may be one (empty, or a run's) is decided at the lock (runs/rundir.py)."""
+    if not str(run_dir).strip():  # Path("") is the working directory: the run would write into it
+        raise ConfigError(f"run.dir={run_dir!r} is empty: give the run's directory, e.g. run.dir=runs/mine "
+                          "(run.dir=. for the working directory)")
+    resolved = os.path.realpath(os.path.expanduser(run_dir))
+    if resolved in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))):
+        where = "the filesystem root" if resolved == os.path.realpath(os.sep) else "the home directory"
+        raise ConfigError(f"run.dir={run_dir} is {where}, where the run's config.yaml, train.log, metrics.jsonl, "
+                          f"checkpoints/ and final/ would sit among other files: give the run its own folder, e.g. "
+                          f"run.dir={os.path.join(run_dir, 'runs', 'mine')}")
 
 
 def _validate_checkpoint(checkpoint: Any) -> None:

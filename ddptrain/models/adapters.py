@@ -300,6 +300,7 @@ class HFAdapter(ModelAdapter):
             raise ModelError(f"{what} is a LoRA adapter over model.path={path}, which cannot be loaded: "
                              f"{str(error).splitlines()[0]}") from None
         lora.check_fingerprint(base, spec.base_weights, path, str(what))
+        lora.check_base_config(base, spec.hf_config, path, str(what))
         return base
 
 

@@ -10,7 +10,7 @@ function, and freezes every other parameter (`requires_grad=False`): the optimiz
 and B, and DDP, FSDP and ZeRO reduce only their gradients. The frozen base is rebuilt from
 model.path, never saved again: checkpoints and final/ hold the adapter (and its optimizer state)
 alone. `fingerprint(base)` is what says the base is the same one: a resume or a load over other
-base weights is refused.
+base weights, or under an edited config.json (`check_base_config`), is refused.
 
 peft is optional (`pip install 'ddptrain[hf]'`) and imported only here, when model.lora.r > 0.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import sys
 import warnings
 from collections.abc import Mapping
@@ -71,6 +72,27 @@ def check_fingerprint(base: nn.Module, expected: str | None, path: str | Path, w
         raise ModelError(f"{what} is a LoRA adapter trained over other base weights than those now at "
                          f"model.path={path} (sha256 {found[:12]}..., trained on {expected[:12]}...); put the "
                          "original base weights back at that path")
+
+
+_UNCOMPARED = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
+"""config.json keys that say where, by which version or in which dtype a base was saved, or how it
+decodes: the same base function whatever their values."""
+
+
+def check_base_config(base: nn.Module, trained: Mapping | None, path: str | Path, what: str) -> None:
+    """A ModelError naming each config key of `base` (model.path's, as loaded) whose value is not the
+    one the adapter of `what` was trained with (`trained`: the run's ModelSpec.hf_config): an edited
+    rms_norm_eps or rope_theta is another function of the same weights, refused as a resume refuses
+    it. Keys that only one side knows (another transformers version) are not compared."""
+    if not trained:
+        return
+    now = json.loads(json.dumps(base.config.to_dict(), default=str))  # as the spec was stored: str keys
+    changed = [f"{key}: {trained[key]!r} -> {now[key]!r}" for key in sorted(set(trained) & set(now))
+               if key not in _UNCOMPARED and trained[key] != now[key]]
+    if changed:
+        raise ModelError(f"{what} is a LoRA adapter trained over the base at model.path={path} with another "
+                         f"config.json ({'; '.join(changed)}); its logits would not be the trained ones. Put the "
+                         "base's original config.json back")
 
 
 def wrap(base: nn.Module, lora_cfg: Mapping, base_path: str | Path) -> nn.Module:

@@ -275,21 +275,49 @@ def test_other_base_weights_are_refused_by_load_model_and_on_resume(tmp_path):
 
 
 def test_the_servable_merge_is_remade_when_the_base_changes_under_the_same_mtimes(tmp_path):
-    from ddptrain.serving.servable import ServableError, servable_dir
+    from ddptrain.serving.servable import MARKER, ServableError, servable_dir
 
     base, run_dir, _ = _finished_run(tmp_path)
     before = _logits(transformers.AutoModelForCausalLM.from_pretrained(servable_dir(run_dir)))
     assert torch.allclose(before, _logits(ddptrain.load_model(run_dir)), rtol=0, atol=1e-5)
+    made = (run_dir / "servable" / MARKER).stat().st_mtime_ns
+
+    generation = json.loads((base / "generation_config.json").read_text())  # a base file that is not the model's
+    keeping_mtimes(base, lambda: (base / "generation_config.json").write_text(json.dumps({**generation, "top_k": 7})))
+    after = _logits(transformers.AutoModelForCausalLM.from_pretrained(servable_dir(run_dir)))
+    assert (run_dir / "servable" / MARKER).stat().st_mtime_ns != made  # remade from the changed base
+    assert torch.equal(after, before)
 
     config = json.loads((base / "config.json").read_text())  # the same weights, another function of them
     keeping_mtimes(base, lambda: (base / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5})))
-    after = _logits(transformers.AutoModelForCausalLM.from_pretrained(servable_dir(run_dir)))
-    assert torch.allclose(after, _logits(ddptrain.load_model(run_dir)), rtol=0, atol=1e-5)
-    assert not torch.allclose(after, before, rtol=0, atol=1e-3)  # the new base's merge, not the stale one
+    with pytest.raises(ServableError, match="rms_norm_eps"):  # not what trained: refused, never served
+        servable_dir(run_dir)
+    keeping_mtimes(base, lambda: (base / "config.json").write_text(json.dumps(config)))
 
     keeping_mtimes(base, lambda: _base_dir(base, seed=1))  # other base weights: refused, not served stale
     with pytest.raises(ServableError, match="trained over other base weights than those now at model.path="):
         servable_dir(run_dir)
+
+
+@pytest.mark.parametrize("key, value", [("rms_norm_eps", 0.5),
+                                        ("rope_parameters", {"rope_theta": 1234.0, "rope_type": "default"})])
+def test_an_edited_base_config_is_refused_by_load_model_export_and_serving(tmp_path, key, value):
+    """The base's config.json is part of what the adapter trained over, as a resume already says."""
+    from ddptrain.serving.servable import ServableError, servable_dir
+
+    base, run_dir, trained = _finished_run(tmp_path)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ModelError, match=f"{key}: .* -> "):
+        ddptrain.load_model(run_dir)
+    with pytest.raises(ModelError, match=key):
+        export(run_dir, tmp_path / "merged", merge=True)
+    assert not (tmp_path / "merged").exists()
+    with pytest.raises(ServableError, match=key):
+        servable_dir(run_dir)
+    (base / "config.json").write_text(json.dumps(config))  # put back: accepted again, the trained logits
+    trained.eval()
+    assert torch.equal(_logits(ddptrain.load_model(run_dir)), _logits(trained))
 
 
 # -- CLI runs -------------------------------------------------------------------------------------

@@ -240,6 +240,31 @@ def test_servable_dir_of_a_run_is_made_once_and_remade_when_the_weights_contents
     assert servable_dir(run) == directory and (directory / MARKER).stat().st_mtime_ns == made  # reused
 
 
+def test_a_damaged_servable_copy_is_rebuilt_and_a_truncated_model_directory_is_a_serve_error(run_dir, model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from ddptrain.serving.servable import ServableError
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    weights = servable_dir(run) / "model.safetensors"
+    idx = torch.tensor([list(b"def main():\n    return 1")])
+    data = weights.read_bytes()
+    keeping_mtimes(weights.parent, lambda: weights.write_bytes(data[:-64] + b"\x7f" * 64))  # same size, huge values
+    with torch.no_grad():
+        served = AutoModelForCausalLM.from_pretrained(servable_dir(run))(idx).logits
+    assert torch.allclose(served, model(idx), atol=1e-5)  # rebuilt, not served damaged
+    keeping_mtimes(weights.parent, lambda: weights.write_bytes(data[: len(data) // 2]))  # truncated
+    with torch.no_grad():
+        assert torch.allclose(AutoModelForCausalLM.from_pretrained(servable_dir(run))(idx).logits, model(idx), atol=1e-5)
+
+    copied = tmp_path / "copied"  # a transformers directory served as it is: a truncated file is named
+    shutil.copytree(servable_dir(run), copied)
+    (copied / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ServableError, match=r"copied: its model cannot be loaded .*truncated or damaged"):
+        Generator(copied, device="cpu")
+
+
 # -- continuous batching: the same tokens as alone ---------------------------------------------------
 
 
