@@ -100,6 +100,8 @@ def wrap(base: nn.Module, lora_cfg: Mapping, base_path: str | Path) -> nn.Module
     peft = _peft()
     targets = lora_cfg.get("target_modules") or ALL_LINEAR
     targets = targets if isinstance(targets, str) else [str(name) for name in targets]
+    if not isinstance(targets, str):
+        check_targets(base, targets, base_path)
     config = peft.LoraConfig(r=int(lora_cfg["r"]), lora_alpha=float(lora_cfg.get("alpha", 16.0)),
                              lora_dropout=float(lora_cfg.get("dropout", 0.0)), target_modules=targets,
                              task_type="CAUSAL_LM")
@@ -112,6 +114,33 @@ def wrap(base: nn.Module, lora_cfg: Mapping, base_path: str | Path) -> nn.Module
     # so final/ loads from any working directory.
     model.peft_config["default"].base_model_name_or_path = str(Path(base_path).expanduser().resolve())
     return model
+
+
+ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+"""The layers peft's LoRA adapts (and transformers' GPT-2 style Conv1D, matched by name)."""
+
+
+def _is_adaptable(module: nn.Module) -> bool:
+    return isinstance(module, ADAPTABLE) or type(module).__name__ == "Conv1D"
+
+
+def check_targets(base: nn.Module, targets: list[str], base_path: str | Path) -> None:
+    """A ModelError unless every name of model.lora.target_modules names adaptable layers of `base`
+    as peft matches them (a module's full name, or its last components): peft itself trains
+    without a misspelt name as long as one other matches, and names the module class alone."""
+    modules = dict(base.named_modules())
+    for target in targets:
+        matched = [name for name in modules if name == target or name.endswith("." + target)]
+        if not matched:
+            names = sorted({name.rpartition(".")[2] for name, module in modules.items() if _is_adaptable(module)})
+            raise ModelError(f"model.lora.target_modules={targets!r}: {target!r} matches no module of the model at model.path="
+                             f"{base_path}; its adaptable layers are named: {', '.join(names)}")
+        other = [name for name in matched if not _is_adaptable(modules[name])]
+        if other:
+            kinds = sorted({type(modules[name]).__name__ for name in other})
+            raise ModelError(f"model.lora.target_modules={targets!r}: {target!r} matches {', '.join(kinds)} modules ({other[0]}"
+                             f"{f' and {len(other) - 1} more' if len(other) > 1 else ''}); LoRA adapts Linear, "
+                             "Embedding and Conv layers only")
 
 
 @contextlib.contextmanager

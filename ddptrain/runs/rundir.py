@@ -209,6 +209,22 @@ def refuse_others_files(run_dir: Path) -> None:
                       f"run.dir={run_dir / 'run'}; nothing was written")
 
 
+MANAGED = ("checkpoints", FINAL, "servable", "previous")
+"""The directories a run replaces, purges, rebuilds or fills: nothing else may be written there."""
+
+
+def managing_run(path: str | Path) -> tuple[Path, str] | None:
+    """(run dir, directory name) when `path` is inside one of the directories (MANAGED) that a run
+    dir holding it manages: a later launch swaps final/, purges a checkpoint step, rebuilds
+    servable/, and what is written there goes with it. None elsewhere."""
+    path = Path(path).expanduser().resolve()
+    for directory in (path, *path.parents):
+        if directory.name in MANAGED and any((directory.parent / name).exists() for name in RUN_MARKERS
+                                             if name != directory.name):
+            return directory.parent, directory.name
+    return None
+
+
 def _is_inside(path: Path, directory: Path) -> bool:
     return Path(path).resolve().is_relative_to(Path(directory).resolve())
 

@@ -351,6 +351,8 @@ class Generator:
         self.model = _load_model(self.model_dir)
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.longest_token_chars = max(1, *(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)))
+        """Characters of the vocabulary's longest token: no token covers more of a text."""
         config = self.model.config.get_text_config()
         self.context: int | None = (getattr(config, "max_position_embeddings", None)
                                     or getattr(config, "n_positions", None))

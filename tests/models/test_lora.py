@@ -97,6 +97,10 @@ def _logits(model, seed: int = 5):
 @pytest.mark.parametrize("override, message", [
     ("model.lora.r=-1", "model.lora.r=-1 must be >= 0"),
     ("model.lora.alpha=0", "model.lora.alpha=0.0 must be > 0"),
+    ("model.lora.alpha=inf", "model.lora.alpha=inf must be > 0 and finite"),
+    ("model.lora.alpha=1e309", "model.lora.alpha=inf must be > 0 and finite"),
+    ("model.lora.alpha=nan", "model.lora.alpha=nan must be > 0 and finite"),
+    ("model.lora.dropout=nan", "model.lora.dropout=nan must be in [0, 1)"),
     ("model.lora.dropout=1.0", "model.lora.dropout=1.0 must be in [0, 1)"),
     ("model.lora.target_modules=[]", "model.lora.target_modules=[] must be all-linear or a non-empty list"),
     ("+model.lora.rank=8", "model.lora.rank is not a config key; the keys of model.lora are: r, alpha, dropout"),
@@ -132,6 +136,18 @@ def test_all_linear_adapts_attention_and_mlp_projections_not_the_head(tmp_path):
         {"q_proj", "v_proj"}
     with pytest.raises(ModelError, match=r"model.lora.target_modules=\['nope'\]"):
         HFAdapter().build(_model_cfg(tmp_path / "base", target_modules=["nope"]), 256, SEQ)
+
+
+@pytest.mark.parametrize("targets, message", [
+    (["q_proj", "v_projj"], r"model.lora.target_modules=\['q_proj', 'v_projj'\]: 'v_projj' matches no module of the model at model.path=.*"
+                            r"its adaptable layers are named: .*v_proj"),
+    (["q_proj", "input_layernorm"], r"'input_layernorm' matches LlamaRMSNorm modules .*LoRA adapts Linear, "
+                                    r"Embedding and Conv layers only"),
+])
+def test_every_lora_target_must_name_an_adaptable_module(tmp_path, targets, message):
+    base = _base_dir(tmp_path / "base")
+    with pytest.raises(ModelError, match=message):
+        HFAdapter().build(_model_cfg(base, target_modules=targets), 256, SEQ)
 
 
 def test_lora_needs_base_weights(tmp_path):

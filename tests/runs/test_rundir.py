@@ -582,3 +582,33 @@ def test_an_earlier_run_dir_and_an_empty_one_are_accepted(tmp_path):
     result = run_cli([*SMALL_RUN, "trainer.max_steps=2", "checkpoint.every=0", f"run.dir={empty}"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert (empty / "my_notes.txt").read_text() == "a note beside the run\n"
+
+
+@pytest.mark.parametrize("data, run_dir", [
+    (["data=text", "data.paths=[{corpus}/*]"], "{corpus}"),  # the run's train.log a document
+    (["data=sft", "data.paths=['{corpus}/**/*.jsonl']"], "{corpus}/run"),  # its metrics.jsonl a chat on relaunch
+    (["data=text", "data.paths=[{corpus}/*.txt]", "data.val_paths=['{corpus}/**']"], "{corpus}/runs/a"),
+])
+def test_a_data_glob_that_reaches_the_run_dir_is_refused_by_name_and_nothing_is_written(tmp_path, data, run_dir):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index in range(4):
+        (corpus / f"doc{index}.txt").write_text("some text to train on\n" * 20)
+    (corpus / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    before = sorted(str(path) for path in tmp_path.rglob("*"))
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=1", *(item.format(corpus=corpus) for item in data),
+                      f"run.dir={run_dir.format(corpus=corpus)}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "config error" in result.stderr and "reaches run.dir=" in result.stderr, result.stderr[-2000:]
+    assert "data.paths" in result.stderr or "data.val_paths" in result.stderr
+    assert sorted(str(path) for path in tmp_path.rglob("*")) == before
+
+
+def test_a_data_glob_beside_the_run_dir_is_accepted(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index in range(4):
+        (corpus / f"doc{index}.txt").write_text("some text to train on\n" * 20)
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=1", "checkpoint.every=0", "data=text",
+                      f"data.paths=[{corpus}/*.txt]", f"run.dir={corpus}/run"])
+    assert result.returncode == 0, result.stderr[-2000:]
