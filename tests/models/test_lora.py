@@ -315,6 +315,18 @@ def test_the_servable_merge_is_remade_when_the_base_changes_under_the_same_mtime
         servable_dir(run_dir)
 
 
+def test_exporting_a_lora_run_whose_base_is_gone_names_the_missing_base(tmp_path, capsys):
+    from ddptrain.export import main
+
+    base, run_dir, _ = _finished_run(tmp_path)
+    shutil.rmtree(base)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run_dir), str(tmp_path / "out"), "--merge"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"model.path={base}, which is not there (any more)" in error and "Repo id" not in error, error
+
+
 @pytest.mark.parametrize("key, value", [("rms_norm_eps", 0.5),
                                         ("rope_parameters", {"rope_theta": 1234.0, "rope_type": "default"})])
 def test_an_edited_base_config_is_refused_by_load_model_export_and_serving(tmp_path, key, value):
