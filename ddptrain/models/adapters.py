@@ -295,8 +295,9 @@ class HFAdapter(ModelAdapter):
         them (hf.load_causal_lm): a base stored in bf16 gives the trained module, and merges in fp32."""
         path = Path(spec.config["path"]).expanduser()
         if not path.is_dir():  # transformers would take the path for a Hub repo id and say that instead
-            raise ModelError(f"{what} is a LoRA adapter over model.path={path}, which is not there (any more): put the "
-                             "base model it was trained over back at that path; the adapter holds the LoRA weights only")
+            raise ModelError(f"{what} is a LoRA adapter over model.path={path}, which is not there (any more): put "
+                             "the base model it was trained over back at that path; the adapter holds the LoRA "
+                             "weights only")
         try:
             base = hf.load_pretrained_dir(path, dtype=torch.float32)
         except (OSError, ValueError) as error:

@@ -133,14 +133,14 @@ def check_targets(base: nn.Module, targets: list[str], base_path: str | Path) ->
         matched = [name for name in modules if name == target or name.endswith("." + target)]
         if not matched:
             names = sorted({name.rpartition(".")[2] for name, module in modules.items() if _is_adaptable(module)})
-            raise ModelError(f"model.lora.target_modules={targets!r}: {target!r} matches no module of the model at model.path="
-                             f"{base_path}; its adaptable layers are named: {', '.join(names)}")
+            raise ModelError(f"model.lora.target_modules={targets!r}: {target!r} matches no module of the model "
+                             f"at model.path={base_path}; its adaptable layers are named: {', '.join(names)}")
         other = [name for name in matched if not _is_adaptable(modules[name])]
         if other:
             kinds = sorted({type(modules[name]).__name__ for name in other})
-            raise ModelError(f"model.lora.target_modules={targets!r}: {target!r} matches {', '.join(kinds)} modules ({other[0]}"
-                             f"{f' and {len(other) - 1} more' if len(other) > 1 else ''}); LoRA adapts Linear, "
-                             "Embedding and Conv layers only")
+            more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+            raise ModelError(f"model.lora.target_modules={targets!r}: {target!r} matches {', '.join(kinds)} "
+                             f"modules ({other[0]}{more}); LoRA adapts Linear, Embedding and Conv layers only")
 
 
 @contextlib.contextmanager

@@ -4,10 +4,11 @@ continues from, and moving an earlier run (or an abandoned trajectory) aside.
     <run.dir>/.lock  config.yaml  train.log  metrics.jsonl  checkpoints/step_N/  final/  previous/<time>/
 
 A run dir is empty or new when a first run starts there: one with other files (a user's
-config.yaml) is refused by name, never written into. One run per run dir: a fresh start, or a resume from another run's checkpoint, moves what an
-earlier run left to previous/<time>/ (nothing is deleted), and a resume moves the checkpoints and
-final/ of later steps there too, so `checkpoint.resume=auto` never continues an abandoned
-trajectory. Every method that decides is collective: rank 0 acts, every rank fails alike.
+config.yaml) is refused by name, never written into. One run per run dir: a fresh start, or a
+resume from another run's checkpoint, moves what an earlier run left to previous/<time>/ (nothing
+is deleted), and a resume moves the checkpoints and final/ of later steps there too, so
+`checkpoint.resume=auto` never continues an abandoned trajectory. Every method that decides is
+collective: rank 0 acts, every rank fails alike.
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ def refuse_others_files(run_dir: Path) -> None:
         return
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     raise RunDirError(f"run.dir={run_dir} holds files that are not a ddptrain run's ({shown}): a run writes "
-                      f"{CONFIG_FILE}, {LOG_FILE}, {METRICS_FILE}, checkpoints/ and final/ into its run.dir, which must "
-                      f"be empty, a new path, or an earlier run's directory. Give the run its own folder, e.g. "
+                      f"{CONFIG_FILE}, {LOG_FILE}, {METRICS_FILE}, checkpoints/ and final/ into its run.dir, which "
+                      f"must be empty, a new path, or an earlier run's directory. Give the run its own folder, e.g. "
                       f"run.dir={run_dir / 'run'}; nothing was written")
 
 

@@ -14,8 +14,8 @@ max_tokens=-1 with 200, a prompt longer than the context with 500 and malformed 
 checked (a 400 names the field and the rule), sampling is per request, at most max_active +
 max_queue requests are in flight (more get 429), a body over --max-request-mb is a 400 unread, a
 prompt is parsed, rendered and tokenized off the event loop, and a request whose client disconnects
-stops decoding at the next iteration. Both endpoints share the rules, the queue and the batch; they differ
-in the prompt (text, or messages through ddptrain.serving.messages) and the objects they answer with.
+stops decoding at the next iteration. Both endpoints share the rules, the queue and the batch; they
+differ in the prompt (text, or messages through ddptrain.serving.messages) and the objects they answer with.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route's `request: Request` annotation at
@@ -232,6 +232,7 @@ def build_app(generator: Generator, api_key: str | None = None, max_request_byte
         body = await body_of(request)
         if not isinstance(body, bytes):
             return body
+
         def prepare():
             prompt, params, stream = parse_completion_request(body)
             check_text_fits(generator, [prompt], "prompt")
@@ -248,6 +249,7 @@ def build_app(generator: Generator, api_key: str | None = None, max_request_byte
         body = await body_of(request)
         if not isinstance(body, bytes):
             return body
+
         def prepare():
             messages, fields, stream = parse_chat_request(body)
             check_text_fits(generator, [message["content"] for message in messages], "messages")
@@ -362,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     log.info("serving %s (context %s tokens, %s) on http://%s:%d, %s", directory, generator.context, generator.device,
              args.host, args.port, access)
-    uvicorn.run(build_app(generator, api_key, int(args.max_request_mb * 2**20)), host=args.host, port=args.port, log_level="warning",
+    app = build_app(generator, api_key, int(args.max_request_mb * 2**20))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
 
 

@@ -347,7 +347,8 @@ def test_a_glob_that_matches_a_directory_and_a_template_that_is_not_utf8_are_dat
     config = _cfg(tmp_path, [tmp_path / "*.jsonl"], directory, val_percent=0.0)
     with pytest.raises(DataError, match=r"data.paths: .*more.jsonl is a directory"):
         load_splits(config, SEQ)
-    (tmp_path / "latin1.jinja").write_bytes("{% for m in messages %}{{ m['content'] }} \xe9{% endfor %}".encode("latin-1"))
+    latin1 = "{% for m in messages %}{{ m['content'] }} \xe9{% endfor %}".encode("latin-1")
+    (tmp_path / "latin1.jinja").write_bytes(latin1)
     config = _cfg(tmp_path, [chats], directory, val_percent=0.0, chat_template=str(tmp_path / "latin1.jinja"))
     with pytest.raises(DataError, match=r"data.chat_template=.*latin1.jinja is not UTF-8 text"):
         load_splits(config, SEQ)
@@ -357,7 +358,8 @@ def test_a_template_that_loops_or_floods_and_a_huge_template_or_line_are_named_e
     from ddptrain.data import chat, sources
 
     chats = [{"messages": [USER, ASSISTANT]}] * 2
-    looping = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+    looping = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+               "{{ messages[0].content }}")
     (tmp_path / "loop.jinja").write_text(looping)
     monkeypatch.setattr(chat, "RENDER_TIMEOUT_S", 1)  # the bound itself; the default is longer
     started = time.monotonic()

@@ -139,7 +139,8 @@ def test_all_linear_adapts_attention_and_mlp_projections_not_the_head(tmp_path):
 
 
 @pytest.mark.parametrize("targets, message", [
-    (["q_proj", "v_projj"], r"model.lora.target_modules=\['q_proj', 'v_projj'\]: 'v_projj' matches no module of the model at model.path=.*"
+    (["q_proj", "v_projj"], r"model.lora.target_modules=\['q_proj', 'v_projj'\]: 'v_projj' matches no module of the "
+                            r"model at model.path=.*"
                             r"its adaptable layers are named: .*v_proj"),
     (["q_proj", "input_layernorm"], r"'input_layernorm' matches LlamaRMSNorm modules .*LoRA adapts Linear, "
                                     r"Embedding and Conv layers only"),
