@@ -24,6 +24,7 @@ from ddptrain.models import GPT, lora
 from ddptrain.models.adapters import GENERATION_CONFIG
 from ddptrain.models.hf import TOKENIZER_FILES
 from ddptrain.models.spec import ModelError
+from ddptrain.runs.rundir import MANAGED, managing_run
 from ddptrain.runs.store import CheckpointError
 from ddptrain.runs.weights import (TrainedWeights, checkpoint_tokenizer_files, find_weights, load_trained,
                                   save_tokenizer_files)
@@ -61,9 +62,16 @@ def export(run_dir: str | Path, out_dir: str | Path, merge: bool = False,
 
 
 def check_paths(run_dir: Path, out_dir: Path) -> None:
-    """An ExportError unless `run_dir` is a directory and `out_dir` is new or empty."""
+    """An ExportError unless `run_dir` is a directory and `out_dir` is new or empty, and not inside a
+    directory that a run manages (runs.rundir.managing_run)."""
     if not run_dir.is_dir():
         raise ExportError(f"run directory {run_dir} does not exist")
+    managed = managing_run(out_dir)
+    if managed is not None:
+        run, name = managed
+        raise ExportError(f"output directory {out_dir} is inside {run / name}, which the run manages: its next launch "
+                          f"replaces, purges or rebuilds {name}/ and the export with it; pick a path outside "
+                          f"{', '.join(f'{n}/' for n in MANAGED)} of a run dir")
     if out_dir.exists() and not _is_empty_dir(out_dir):
         raise ExportError(f"output directory {out_dir} already exists and is not empty; pick a new path")
 

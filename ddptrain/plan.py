@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inter-node-bandwidth", type=parse_bytes, default=None,
                         help="per rank across nodes (default: --bandwidth)")
     args, overrides = parser.parse_known_args(argv)
-    world_size = args.world_size or env_world_size()
+    world_size = args.world_size if args.world_size is not None else env_world_size()
+    problem = _layout_problem(world_size, args.ranks_per_node)
+    if problem:
+        print(f"config error: {problem}", file=sys.stderr)
+        return 2
     try:
         cfg = compose_config(overrides)
         validate_run(cfg, world_size)
@@ -53,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_plan(plans, counts, layout, memory, args.bandwidth, args.inter_node_bandwidth))
     return 0
+
+
+def _layout_problem(world_size: int, ranks_per_node: int | None) -> str | None:
+    """What is wrong with --world-size and --ranks-per-node, named with the rule (None: nothing)."""
+    for flag, value in (("--world-size", world_size), ("--ranks-per-node", ranks_per_node)):
+        if value is not None and value < 1:
+            return f"{flag}={value} must be an integer >= 1"
+    if ranks_per_node is not None and ranks_per_node < world_size and world_size % ranks_per_node:  # more: one node
+        return (f"--ranks-per-node={ranks_per_node} must divide --world-size={world_size}: every node runs as many "
+                "ranks")
+    return None
 
 
 def _device_memory() -> float | None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Red team (issue 23): the adversarial cases end to end, each a test that asserts the saved data
+# Red team: the adversarial cases end to end, each a test that asserts the saved data
 # survived (or was rebuilt from what survived) and that the message names the cause.
 #
 #   scripts/red_team.sh              # every case, the slow ones (real 1- and 2-rank runs) included
@@ -26,6 +26,19 @@
 #   17 a finished run that exits non-zero                 test_teardown.py, test_stress.py
 #   18 a pickled object in trainer.pt / rng_rank*.pt      test_safe_loading.py (refused, never run)
 #   19 an open server on 0.0.0.0                          test_server_access.py
+#   20 run.dir=. among the user's files, /, ~            test_rundir.py (refused by name, nothing written)
+#   21 a LoRA base config.json edited after training     test_lora.py (load_model, export, serving refuse)
+#   22 a damaged or truncated servable/ copy             test_serve.py (rebuilt; a serve error, not SafetensorError)
+#   23 a data glob that reaches run.dir                  test_rundir.py (config error, nothing written)
+#   24 a 20 MB chat request beside small ones            test_serve.py (400 at once, others not held up)
+#   25 a misspelt LoRA target, alpha=inf                 test_lora.py
+#   26 an export into final/ or a checkpoint step        test_export.py
+#   27 plan --world-size 0, --ranks-per-node 5 of 16     test_memory_plan.py
+#   28 an sft glob matching a directory, a latin-1
+#      template, a LoRA run whose base is gone           test_sft.py, test_lora.py (messages, not tracebacks)
+#   29 every example skipped                             test_sft.py (the skip counts in the message)
+#   30 a looping/flooding/huge template, a huge line     test_sft.py (named errors), progress every 10 s
+#   31 n: true / 1.0                                     test_serve.py (400)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marker=()
@@ -36,4 +49,21 @@ exec python -m pytest -q "${marker[@]}" tests/runs/test_healing.py tests/runs/te
     tests/serving/test_server_access.py "tests/serving/test_serve.py::test_every_bad_request_gets_a_400_naming_the_field_and_the_rule" \
     "tests/serving/test_serve.py::test_every_bad_chat_request_gets_a_400_naming_the_field_and_the_rule" \
     "tests/serving/test_serve.py::test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_not_fit" \
-    tests/train/test_stress.py
+    tests/train/test_stress.py \
+    "tests/runs/test_rundir.py::test_a_run_dir_holding_the_users_own_files_is_refused_by_name_and_nothing_is_touched" \
+    "tests/runs/test_rundir.py::test_the_home_directory_is_never_a_run_dir" \
+    "tests/runs/test_rundir.py::test_the_filesystem_root_is_never_a_run_dir" \
+    "tests/runs/test_rundir.py::test_a_run_dir_with_a_tilde_is_in_the_home_directory" \
+    "tests/runs/test_rundir.py::test_a_data_glob_that_reaches_the_run_dir_is_refused_by_name_and_nothing_is_written" \
+    "tests/models/test_lora.py::test_an_edited_base_config_is_refused_by_load_model_export_and_serving" \
+    "tests/models/test_lora.py::test_every_lora_target_must_name_an_adaptable_module" \
+    "tests/models/test_lora.py::test_lora_config_rules_name_the_key_and_the_value" \
+    "tests/models/test_lora.py::test_exporting_a_lora_run_whose_base_is_gone_names_the_missing_base" \
+    "tests/serving/test_serve.py::test_a_damaged_servable_copy_is_rebuilt_and_a_truncated_model_directory_is_a_serve_error" \
+    "tests/serving/test_serve.py::test_a_20_mb_request_gets_its_400_at_once_and_does_not_slow_the_small_ones" \
+    "tests/commands/test_export.py::test_an_export_into_a_directory_the_run_manages_is_refused_and_writes_nothing" \
+    "tests/train/test_memory_plan.py::test_a_bad_world_size_or_ranks_per_node_names_the_flag_the_value_and_the_rule" \
+    "tests/data/test_sft.py::test_a_corpus_whose_every_example_is_skipped_says_how_many_and_why" \
+    "tests/data/test_sft.py::test_a_glob_that_matches_a_directory_and_a_template_that_is_not_utf8_are_data_errors" \
+    "tests/data/test_sft.py::test_a_template_that_loops_or_floods_and_a_huge_template_or_line_are_named_errors" \
+    "tests/data/test_sft.py::test_preprocessing_says_how_far_it_got_while_one_record_takes_long"

@@ -165,8 +165,8 @@ class HFModelConfig:
                                       f"model.lora.r={lora.r}: every weight would train; set model.lora.r > 0, or "
                                       "leave it out")
         if lora.r:
-            if not lora.alpha > 0:
-                raise ConfigError(f"model.lora.alpha={lora.alpha!r} must be > 0")
+            if not 0 < lora.alpha < float("inf"):  # inf: every update non-finite, every step skipped
+                raise ConfigError(f"model.lora.alpha={lora.alpha!r} must be > 0 and finite")
             if not 0 <= lora.dropout < 1:
                 raise ConfigError(f"model.lora.dropout={lora.dropout!r} must be in [0, 1)")
             targets = lora.target_modules

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import math
+import os
 import signal
 import typing
 from typing import Any
@@ -105,15 +107,14 @@ def _validate_values(cfg: Any, world_size: int) -> int:
                           "clipping)")
     if not 0 <= cfg.run.seed < 1 << 64:  # torch.manual_seed and numpy's generators take unsigned 64-bit seeds
         raise ConfigError(f"run.seed={cfg.run.seed!r} must be in [0, 2**64)")
-    if not str(cfg.run.dir).strip():  # Path("") is the working directory: the run would write into it
-        raise ConfigError(f"run.dir={cfg.run.dir!r} is empty: give the run's directory, e.g. run.dir=runs/mine "
-                          "(run.dir=. for the working directory)")
+    _validate_run_dir(cfg.run.dir)
     _validate_optim(cfg.optim)
     if not 0 <= cfg.data.val_percent < 100:
         raise ConfigError(f"data.val_percent={cfg.data.val_percent!r} must be in [0, 100)")
     if cfg.data.max_docs is not None and cfg.data.max_docs < 2:
         raise ConfigError(f"data.max_docs={cfg.data.max_docs!r} must be >= 2 (or null for all documents)")
     _validate_data(cfg.data)
+    _refuse_data_in_run_dir(cfg.data, cfg.run.dir)
     _refuse_unread_keys(cfg)
     if cfg.logger.peak_flops is not None and not cfg.logger.peak_flops > 0:
         raise ConfigError(f"logger.peak_flops={cfg.logger.peak_flops!r} must be > 0 or null (from the device table)")
@@ -134,6 +135,58 @@ def _validate_values(cfg: Any, world_size: int) -> int:
             rule = "at least" if batch.micro_tokens is not None else "divisible by"
             raise ConfigError(f"batch.global_size={batch.global_size} must be {rule} the world size {world_size}")
     return BatchLayout.of(batch, world_size).grad_accum_steps or 0  # 0: varies per step and rank
+
+
+def _validate_run_dir(run_dir: str) -> None:
+    """The filesystem root and the home directory are nobody's run dir: a run writes config.yaml,
+    train.log, metrics.jsonl, checkpoints/ and final/ into its run.dir (and moves an earlier run's
+    to previous/). What else may be one (empty, or a run's) is decided at the lock (runs/rundir.py)."""
+    if not str(run_dir).strip():  # Path("") is the working directory: the run would write into it
+        raise ConfigError(f"run.dir={run_dir!r} is empty: give the run's directory, e.g. run.dir=runs/mine "
+                          "(run.dir=. for the working directory)")
+    resolved = os.path.realpath(os.path.expanduser(run_dir))
+    if resolved in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))):
+        where = "the filesystem root" if resolved == os.path.realpath(os.sep) else "the home directory"
+        raise ConfigError(f"run.dir={run_dir} is {where}, where the run's config.yaml, train.log, metrics.jsonl, "
+                          f"checkpoints/ and final/ would sit among other files: give the run its own folder, e.g. "
+                          f"run.dir={os.path.join(run_dir, 'runs', 'mine')}")
+
+
+_RUN_FILES = ("config.yaml", "train.log", "metrics.jsonl", "checkpoints/step_00000001/trainer.pt",
+              "checkpoints/step_00000001/COMPLETE.json", "final/model.safetensors", "final/ddptrain_model.json",
+              "final/tokenizer.json", "final/config.json", "final/adapter_model.safetensors", "servable/config.json",
+              "servable/model.safetensors", "previous/20260101-000000/metrics.jsonl")
+"""Files a run writes into its run.dir (runs/rundir.py), now or on a later launch."""
+
+
+def _refuse_data_in_run_dir(data: Any, run_dir: str) -> None:
+    """A data path or glob that reaches into run.dir would read the run's own train.log,
+    metrics.jsonl or checkpoints as documents (some only on a relaunch, so a run that started fine
+    stops later): refused, naming the key, the pattern and the run file it matches."""
+    root = os.path.abspath(os.path.expanduser(run_dir))
+    for key in ("data.paths", "data.val_paths"):
+        for pattern in _get(data, key.removeprefix("data.")) or []:
+            pattern = os.path.abspath(os.path.expanduser(str(pattern)))
+            caught = next((name for name in _RUN_FILES if _glob_matches(pattern, os.path.join(root, name))), None)
+            if caught is None and (pattern == root or pattern.startswith(root + os.sep)):
+                caught = os.path.relpath(pattern, root)
+            if caught is not None:
+                raise ConfigError(f"{key}: {pattern!r} reaches run.dir={run_dir} (it matches the run's own "
+                                  f"{caught}): a run must not train on its own logs, metrics or checkpoints. Put "
+                                  "the run dir outside the corpus (e.g. run.dir=runs/mine) or narrow the glob")
+
+
+def _glob_matches(pattern: str, path: str) -> bool:
+    """Whether glob.glob(pattern, recursive=True) would list `path` if it existed: `*`, `?` and `[...]`
+    within one path component, `**` any number of them."""
+    def match(parts: list[str], names: list[str]) -> bool:
+        if not parts:
+            return not names
+        if parts[0] == "**":
+            return any(match(parts[1:], names[skip:]) for skip in range(len(names) + 1))
+        return bool(names) and fnmatch.fnmatchcase(names[0], parts[0]) and match(parts[1:], names[1:])
+
+    return match(pattern.split(os.sep), path.split(os.sep))
 
 
 def _validate_checkpoint(checkpoint: Any) -> None:

@@ -26,6 +26,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -267,30 +268,43 @@ def open_tokens(entry: Path, split_meta: dict) -> np.ndarray:
 
 
 class BuildProgress:
-    """tqdm on a terminal (when installed), else a log line every `every_s` seconds."""
+    """tqdm on a terminal (when installed), else a log line every `every_s` seconds, also while one
+    record takes long (a heartbeat thread says how far it got): preprocessing is never silent."""
 
     def __init__(self, total: int, unit: str, description: str, every_s: float = 10.0):
         self.total, self.unit, self.description, self.every_s = total, unit, description, every_s
         self.done = 0
         self._started = self._last = time.monotonic()
         self._bar = None
+        self._stop = threading.Event()
         if sys.stderr.isatty():
             try:
                 from tqdm import tqdm
                 self._bar = tqdm(total=total, unit=unit, unit_scale=True, desc=description, leave=False)
             except ImportError:
                 pass
+        if self._bar is None:
+            threading.Thread(target=self._heartbeat, name="ddptrain-preprocess-progress", daemon=True).start()
 
     def update(self, amount: int) -> None:
         self.done += amount
         if self._bar is not None:
             self._bar.update(amount)
         elif time.monotonic() - self._last >= self.every_s:
-            self._last = time.monotonic()
-            percent = 100.0 * self.done / self.total if self.total else 100.0
-            log.info("%s: %.1f%% (%d / %d %s, %.0fs)", self.description, percent, self.done, self.total, self.unit,
-                     self._last - self._started)
+            self._log()
+
+    def _log(self) -> None:
+        self._last = time.monotonic()
+        percent = 100.0 * self.done / self.total if self.total else 100.0
+        log.info("%s: %.1f%% (%d / %d %s, %.0fs)", self.description, percent, self.done, self.total, self.unit,
+                 self._last - self._started)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.every_s / 4):
+            if time.monotonic() - self._last >= self.every_s:
+                self._log()
 
     def close(self) -> None:
+        self._stop.set()
         if self._bar is not None:
             self._bar.close()

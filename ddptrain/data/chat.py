@@ -22,9 +22,12 @@ The rules in full, with the errors they give: docs/data.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import signal
+import threading
 from pathlib import Path
 
 from ddptrain.data.sources import DataError
@@ -38,6 +41,39 @@ as `tokenizer_class` rather than config.json's bytes, which hold the model's arc
 _PROBE = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"}]
 """A one-exchange conversation whose rendering shows the template's end-of-turn marker."""
 _NO_SPLIT_HINT = "give a template that marks assistant text with {% generation %} (data.chat_template=PATH)"
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+"""A data.chat_template file's size limit: the templates of the common models are a few KB."""
+RENDER_TIMEOUT_S = 60
+"""How long one conversation may take to render (a well-formed template takes milliseconds)."""
+MAX_RENDERED_CHARS = 16 << 20
+"""What one conversation may render to: far more than any context holds."""
+
+
+class _RenderTimeout(BaseException):
+    """Raised into a render that passed RENDER_TIMEOUT_S: a BaseException, so that no `except Exception`
+    of Jinja or transformers on the way out takes it for the template's own error."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """_RenderTimeout after `seconds`, by SIGALRM: in the main thread, where preprocessing runs
+    (elsewhere, or where signals are not available, no limit)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _RenderTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _transformers():
@@ -100,7 +136,15 @@ class ChatTokenizer:
             file = Path(path).expanduser()
             if not file.is_file():
                 raise DataError(f"data.chat_template: {file} is not a file (a Jinja chat template)")
-            return file.read_text(encoding="utf-8")
+            size = file.stat().st_size
+            if size > MAX_TEMPLATE_BYTES:
+                raise DataError(f"data.chat_template={path}: {file} is {size} bytes, more than a chat template's "
+                                f"limit of {MAX_TEMPLATE_BYTES} (templates of the common models are a few KB)")
+            try:
+                return file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"data.chat_template={path} is not UTF-8 text ({error}); save the template as "
+                                "UTF-8") from None
         try:
             return self.tokenizer.get_chat_template()
         except ValueError:  # transformers: "Cannot use chat template functions because ... not set"
@@ -219,11 +263,21 @@ class ChatTokenizer:
 
     def _apply(self, name: str, messages: list[dict], **kwargs):
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.template,
-                                                      **{"tokenize": False, **kwargs})
+            with _deadline(RENDER_TIMEOUT_S):
+                rendered = self.tokenizer.apply_chat_template(messages, chat_template=self.template,
+                                                              **{"tokenize": False, **kwargs})
+        except _RenderTimeout:
+            raise DataError(f"{name}: the chat template ({self.template_source}) took more than {RENDER_TIMEOUT_S} s "
+                            "to render the conversation, the limit of one render (a template that loops?)") from None
         except Exception as error:  # a Jinja error, or the template's own raise_exception(...)
             raise DataError(f"{name}: the chat template failed to render the conversation: "
                             f"{type(error).__name__}: {error}") from None
+        size = len(rendered) if isinstance(rendered, str) else len(rendered["input_ids"])
+        if size > MAX_RENDERED_CHARS:
+            raise DataError(f"{name}: the chat template ({self.template_source}) rendered the conversation to {size} "
+                            f"characters, more than the limit of {MAX_RENDERED_CHARS} for one conversation (a "
+                            "template that repeats its text?)")
+        return rendered
 
     def _prefix_tokens(self, name: str, prefix: list[dict], text: str, ids: list[int], what: str,
                        generation_prompt: bool = False) -> int:

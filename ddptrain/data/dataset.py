@@ -38,14 +38,16 @@ class DataSplits:
 
 
 def assign_splits(names: list[str], docs: np.ndarray, is_val: np.ndarray, has_val_files: bool,
-                  usable: str = "document of at least 2 tokens") -> dict:
-    """(D, k) documents per split; an empty corpus or an empty validation split is a clear error."""
+                  usable: str = "document of at least 2 tokens", skipped: str = "") -> dict:
+    """(D, k) documents per split; an empty corpus or an empty validation split is a clear error,
+    which says `skipped` (what preprocessing left out, and why) where it is not empty."""
     train, val = docs[~is_val], docs[is_val]
+    why = f" ({skipped})" if skipped else ""
     if not len(train) and not len(val):
-        raise DataError(f"the corpus is empty: no {usable} in data.paths")
+        raise DataError(f"the corpus is empty: no {usable} in data.paths{why}")
     if not len(val):
         if has_val_files:
-            raise DataError(f"data.val_paths produced no {usable}")
+            raise DataError(f"data.val_paths produced no {usable}{why}")
         if len(train) < 2:
             raise DataError(f"the corpus has only {len(train)} {usable}, but training needs "
                             "one to train on and one for validation; add data (data=text data.split_by=paragraph "

@@ -49,6 +49,11 @@ def fingerprint(data_cfg: Any, seq_len: int) -> dict:
 
 def records(files: list[Path], split: str, hf_cache: Path, decoder: TextDecoder) -> Iterator[tuple[str, dict, int]]:
     """(name, record, bytes read): JSONL lines (blank ones skipped), or the rows of an HF dataset."""
+    directories = [p for p in files if p.is_dir()]
+    if directories and len(directories) < len(files):  # datasets would read them as data files, and fail
+        raise DataError(f"data.paths: {directories[0]} is a directory, matched beside files; data=sft reads .jsonl "
+                        "files or Hugging Face dataset directories, not both: name the files (or a glob only they "
+                        "match)")
     if all(p.is_file() and p.suffix.lower() == ".jsonl" for p in files):
         for name, record, read in jsonl_records(files, decoder):
             if record is not None:
@@ -199,8 +204,10 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
         mask.close()
         progress.close()
     docs_array = np.asarray(docs, dtype=np.int64).reshape(-1, 3)
+    why = "; ".join(f"skipped {count} {_SKIPS[kind].format(span=span)}, e.g. {skips.first[kind]}"
+                    for kind, count in skips.counts.items() if count and kind != "truncated")
     splits = assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files),
-                           usable="example with a target")
+                           usable="example with a target", skipped=why)
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array)
     ref = {"tokens": {"npy": "tokens.npy"}}

@@ -182,6 +182,10 @@ def text_documents(files: list[Path], split_by: str = "file") -> Iterator[tuple[
             yield str(path), data, len(data)
 
 
+MAX_LINE_BYTES = 16 << 20
+"""The longest JSONL line read: one record of more is refused before it is parsed."""
+
+
 def jsonl_records(files: list[Path], decoder: TextDecoder | None = None) -> Iterator[tuple[str, dict | None, int]]:
     """(file:line, the line's JSON object, bytes read) of every line; None for a blank line."""
     decoder = decoder or TextDecoder()
@@ -189,8 +193,11 @@ def jsonl_records(files: list[Path], decoder: TextDecoder | None = None) -> Iter
         with still_listed(path):
             handle = path.open("rb")
         with handle:
-            for number, raw in enumerate(handle, start=1):
+            for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""), start=1):
                 name = f"{path}:{number}"
+                if len(raw) > MAX_LINE_BYTES:  # refused before the rest of it is read, decoded or parsed
+                    raise DataError(f"{name}: the line is longer than {MAX_LINE_BYTES >> 20} MiB, the limit of one "
+                                    "JSONL record (far more than any context holds): split or drop that record")
                 if not raw.strip():
                     yield name, None, len(raw)
                     continue

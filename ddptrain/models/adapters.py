@@ -314,12 +314,17 @@ class HFAdapter(ModelAdapter):
         """model.path's base weights, the same ones the run trained over, in fp32 as the run trained
         them (hf.load_causal_lm): a base stored in bf16 gives the trained module, and merges in fp32."""
         path = Path(spec.config["path"]).expanduser()
+        if not path.is_dir():  # transformers would take the path for a Hub repo id and say that instead
+            raise ModelError(f"{what} is a LoRA adapter over model.path={path}, which is not there (any more): put "
+                             "the base model it was trained over back at that path; the adapter holds the LoRA "
+                             "weights only")
         try:
             base = hf.load_pretrained_dir(path, dtype=torch.float32)
         except (OSError, ValueError) as error:
             raise ModelError(f"{what} is a LoRA adapter over model.path={path}, which cannot be loaded: "
                              f"{str(error).splitlines()[0]}") from None
         lora.check_fingerprint(base, spec.base_weights, path, str(what))
+        lora.check_base_config(base, spec.hf_config, path, str(what))
         return base
 
 

@@ -10,7 +10,7 @@ function, and freezes every other parameter (`requires_grad=False`): the optimiz
 and B, and DDP, FSDP and ZeRO reduce only their gradients. The frozen base is rebuilt from
 model.path, never saved again: checkpoints and final/ hold the adapter (and its optimizer state)
 alone. `fingerprint(base)` is what says the base is the same one: a resume or a load over other
-base weights is refused.
+base weights, or under an edited config.json (`check_base_config`), is refused.
 
 peft is optional (`pip install 'ddptrain[hf]'`) and imported only here, when model.lora.r > 0.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import sys
 import warnings
 from collections.abc import Mapping
@@ -73,11 +74,34 @@ def check_fingerprint(base: nn.Module, expected: str | None, path: str | Path, w
                          "original base weights back at that path")
 
 
+_UNCOMPARED = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
+"""config.json keys that say where, by which version or in which dtype a base was saved, or how it
+decodes: the same base function whatever their values."""
+
+
+def check_base_config(base: nn.Module, trained: Mapping | None, path: str | Path, what: str) -> None:
+    """A ModelError naming each config key of `base` (model.path's, as loaded) whose value is not the
+    one the adapter of `what` was trained with (`trained`: the run's ModelSpec.hf_config): an edited
+    rms_norm_eps or rope_theta is another function of the same weights, refused as a resume refuses
+    it. Keys that only one side knows (another transformers version) are not compared."""
+    if not trained:
+        return
+    now = json.loads(json.dumps(base.config.to_dict(), default=str))  # as the spec was stored: str keys
+    changed = [f"{key}: {trained[key]!r} -> {now[key]!r}" for key in sorted(set(trained) & set(now))
+               if key not in _UNCOMPARED and trained[key] != now[key]]
+    if changed:
+        raise ModelError(f"{what} is a LoRA adapter trained over the base at model.path={path} with another "
+                         f"config.json ({'; '.join(changed)}); its logits would not be the trained ones. Put the "
+                         "base's original config.json back")
+
+
 def wrap(base: nn.Module, lora_cfg: Mapping, base_path: str | Path) -> nn.Module:
     """`base` with a LoRA adapter on model.lora.target_modules; every base parameter frozen."""
     peft = _peft()
     targets = lora_cfg.get("target_modules") or ALL_LINEAR
     targets = targets if isinstance(targets, str) else [str(name) for name in targets]
+    if not isinstance(targets, str):
+        check_targets(base, targets, base_path)
     config = peft.LoraConfig(r=int(lora_cfg["r"]), lora_alpha=float(lora_cfg.get("alpha", 16.0)),
                              lora_dropout=float(lora_cfg.get("dropout", 0.0)), target_modules=targets,
                              task_type="CAUSAL_LM")
@@ -90,6 +114,33 @@ def wrap(base: nn.Module, lora_cfg: Mapping, base_path: str | Path) -> nn.Module
     # so final/ loads from any working directory.
     model.peft_config["default"].base_model_name_or_path = str(Path(base_path).expanduser().resolve())
     return model
+
+
+ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+"""The layers peft's LoRA adapts (and transformers' GPT-2 style Conv1D, matched by name)."""
+
+
+def _is_adaptable(module: nn.Module) -> bool:
+    return isinstance(module, ADAPTABLE) or type(module).__name__ == "Conv1D"
+
+
+def check_targets(base: nn.Module, targets: list[str], base_path: str | Path) -> None:
+    """A ModelError unless every name of model.lora.target_modules names adaptable layers of `base`
+    as peft matches them (a module's full name, or its last components): peft itself trains
+    without a misspelt name as long as one other matches, and names the module class alone."""
+    modules = dict(base.named_modules())
+    for target in targets:
+        matched = [name for name in modules if name == target or name.endswith("." + target)]
+        if not matched:
+            names = sorted({name.rpartition(".")[2] for name, module in modules.items() if _is_adaptable(module)})
+            raise ModelError(f"model.lora.target_modules={targets!r}: {target!r} matches no module of the model "
+                             f"at model.path={base_path}; its adaptable layers are named: {', '.join(names)}")
+        other = [name for name in matched if not _is_adaptable(modules[name])]
+        if other:
+            kinds = sorted({type(modules[name]).__name__ for name in other})
+            more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+            raise ModelError(f"model.lora.target_modules={targets!r}: {target!r} matches {', '.join(kinds)} "
+                             f"modules ({other[0]}{more}); LoRA adapts Linear, Embedding and Conv layers only")
 
 
 @contextlib.contextmanager

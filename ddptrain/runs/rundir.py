@@ -3,10 +3,12 @@ continues from, and moving an earlier run (or an abandoned trajectory) aside.
 
     <run.dir>/.lock  config.yaml  train.log  metrics.jsonl  checkpoints/step_N/  final/  previous/<time>/
 
-One run per run dir: a fresh start, or a resume from another run's checkpoint, moves what an
-earlier run left to previous/<time>/ (nothing is deleted), and a resume moves the checkpoints and
-final/ of later steps there too, so `checkpoint.resume=auto` never continues an abandoned
-trajectory. Every method that decides is collective: rank 0 acts, every rank fails alike.
+A run dir is empty or new when a first run starts there: one with other files (a user's
+config.yaml) is refused by name, never written into. One run per run dir: a fresh start, or a
+resume from another run's checkpoint, moves what an earlier run left to previous/<time>/ (nothing
+is deleted), and a resume moves the checkpoints and final/ of later steps there too, so
+`checkpoint.resume=auto` never continues an abandoned trajectory. Every method that decides is
+collective: rank 0 acts, every rank fails alike.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from ddptrain.config.schema import TrainConfig
 from ddptrain.distributed import Rank0Filter, barrier, is_rank_zero, raise_on_every_rank
 from ddptrain.fsutil import describe_write_error, fsync_dir, fsync_file, make_dirs, move
 from ddptrain.runs import store
-from ddptrain.runs.lock import RunDirError, RunDirLock, RunDirLocked
+from ddptrain.runs.lock import LOCK, RunDirError, RunDirLock, RunDirLocked
 from ddptrain.runs.resume import check_config, defaults_of, log_applied, model_defaults
-from ddptrain.runs.weights import SPEC_FILE, final_dir
+from ddptrain.runs.weights import FINAL, SPEC_FILE, final_dir
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +77,15 @@ class RunDir:
     # -- the lock and the run files ------------------------------------------------------------
 
     def lock(self) -> None:
-        """Rank 0 takes the run dir's lock; a live holder, or a run.dir that cannot be created or
-        written, fails every rank at start-up, by name. An explicit checkpoint.resume path that does
-        not exist is refused first, so that nothing is created."""
+        """Rank 0 takes the run dir's lock; a directory with files that are not a run's
+        (`refuse_others_files`), a live holder, or a run.dir that cannot be created or written, fails
+        every rank at start-up, by name. An explicit checkpoint.resume path that does not exist is
+        refused first, so that nothing is created."""
         store.check_resume_path(self.cfg.checkpoint.resume, self.path)  # every rank alike, no collective
         error = None
         if is_rank_zero():
             try:
+                refuse_others_files(self.path)
                 self._lock = RunDirLock(self.path).acquire()
             except RunDirLocked as caught:
                 error = caught
@@ -182,6 +186,44 @@ class RunDir:
                 error = RunDirError(f"the checkpoints after step {step} could not be moved aside: "
                                     f"{describe_write_error(caught, self.path)}")
         raise_on_every_rank(error, RunDirError)  # the barrier: no rank trains before they are gone
+
+
+RUN_MARKERS = (LOCK, LOG_FILE, METRICS_FILE, "checkpoints", FINAL, "previous")
+"""What only a run dir holds: one of them makes a directory a run's (started, refused late, or done)."""
+
+
+def refuse_others_files(run_dir: Path) -> None:
+    """A run writes only into a directory that is not there yet, is empty, or is a run dir (one of
+    RUN_MARKERS): its config.yaml, train.log and metrics.jsonl would overwrite a user's files of those
+    names, and a fresh start moves them to previous/. Anything else is a RunDirError naming the files,
+    before anything is written."""
+    try:
+        names = sorted(os.listdir(run_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return  # made for the run; a file is refused by the lock with its own message
+    if not names or any(name in RUN_MARKERS for name in names):
+        return
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    raise RunDirError(f"run.dir={run_dir} holds files that are not a ddptrain run's ({shown}): a run writes "
+                      f"{CONFIG_FILE}, {LOG_FILE}, {METRICS_FILE}, checkpoints/ and final/ into its run.dir, which "
+                      f"must be empty, a new path, or an earlier run's directory. Give the run its own folder, e.g. "
+                      f"run.dir={run_dir / 'run'}; nothing was written")
+
+
+MANAGED = ("checkpoints", FINAL, "servable", "previous")
+"""The directories a run replaces, purges, rebuilds or fills: nothing else may be written there."""
+
+
+def managing_run(path: str | Path) -> tuple[Path, str] | None:
+    """(run dir, directory name) when `path` is inside one of the directories (MANAGED) that a run
+    dir holding it manages: a later launch swaps final/, purges a checkpoint step, rebuilds
+    servable/, and what is written there goes with it. None elsewhere."""
+    path = Path(path).expanduser().resolve()
+    for directory in (path, *path.parents):
+        if directory.name in MANAGED and any((directory.parent / name).exists() for name in RUN_MARKERS
+                                             if name != directory.name):
+            return directory.parent, directory.name
+    return None
 
 
 def _is_inside(path: Path, directory: Path) -> bool:

@@ -308,6 +308,23 @@ def serving_device(flag: str | None) -> torch.device:
     return device
 
 
+def _load_model(model_dir: Path):
+    """AutoModelForCausalLM of `model_dir`; weights that cannot be read (a truncated or damaged
+    model.safetensors) are a ServableError naming the directory, not safetensors' own exception."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    from ddptrain.serving.servable import ServableError
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", local_files_only=True)
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ServableError(f"{model_dir}: its model cannot be loaded ({type(error).__name__}: "
+                            f"{str(error).splitlines()[0] if str(error) else 'no detail'}); a weights file is "
+                            "truncated or damaged: copy it again, or serve the run directory, whose servable/ "
+                            "copy is checked and rebuilt") from None
+
+
 class Generator:
     """Transformers' continuous batching over one model directory (config.json + tokenizer.json).
 
@@ -323,7 +340,6 @@ class Generator:
                  device: str | None = None, kv_cache_mb: float = 1024.0):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
         from tokenizers import Tokenizer
-        from transformers import AutoModelForCausalLM
 
         if max_active < 1 or max_queue < 0:
             raise ValueError(f"max_active={max_active} must be >= 1 and max_queue={max_queue} >= 0")
@@ -332,9 +348,11 @@ class Generator:
         self.model_dir = Path(model_dir)
         self.max_active, self.max_queue, self.kv_cache_mb = max_active, max_queue, kv_cache_mb
         self.device = serving_device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype="auto", local_files_only=True)
+        self.model = _load_model(self.model_dir)
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.longest_token_chars = max(1, *(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)))
+        """Characters of the vocabulary's longest token: no token covers more of a text."""
         config = self.model.config.get_text_config()
         self.context: int | None = (getattr(config, "max_position_embeddings", None)
                                     or getattr(config, "n_positions", None))

@@ -7,8 +7,9 @@ used as it is) or a ddptrain run directory, which it turns into `RUN_DIR/servabl
         config.json, model.safetensors ...   `python -m ddptrain.export` of the run's weights
         tokenizer.json                       the run's tokenizer; for the byte tokenizer, a
                                              byte-level one whose ids are the byte values
-        ddptrain_servable.json               the files it was made from, by size and sha256 (remade
-                                             when a content changes: the weights, a LoRA run's base)
+        ddptrain_servable.json               the files it was made from, by size and sha256, and its
+                                             own files' sha256: remade when a source's content changes
+                                             (the weights, a LoRA run's base) or its own files do
 
 The byte tokenizer (ddptrain.data.tokenizer.ByteTokenizer) has no file: `byte_tokenizer()` builds
 the `tokenizers` equivalent, so that text in and text out work in any Hugging Face tool.
@@ -17,12 +18,15 @@ the `tokenizers` equivalent, so that text in and text out work in any Hugging Fa
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
 
 SERVABLE = "servable"
 MARKER = "ddptrain_servable.json"
+
+log = logging.getLogger(__name__)
 
 
 class ServableError(RuntimeError):
@@ -109,6 +113,30 @@ def _source_stamp(weights) -> dict:
     return {"source": str(weights.directory.resolve()), "files": files}
 
 
+def _own_files(directory: Path) -> dict[str, str]:
+    """The sha256 of each file of a servable directory but its marker."""
+    from ddptrain.fsutil import sha256_file
+
+    return {str(path.relative_to(directory)): sha256_file(path) for path in sorted(directory.rglob("*"))
+            if path.is_file() and path.name != MARKER}
+
+
+def _is_current(out: Path, stamp: dict) -> bool:
+    """Whether `out` (RUN_DIR/servable) was made from the source of `stamp` and its own files are
+    still the ones made: a damaged copy (a flipped byte, a truncated file) is rebuilt, never served."""
+    try:
+        made = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if {key: made.get(key) for key in stamp} != stamp:
+        return False
+    if made.get("own") != _own_files(out):  # None: made by an older ddptrain, which kept no sums of its own
+        log.warning("%s: its files are not the ones made from %s (damaged, or made by an older ddptrain): "
+                    "rebuilt", out, stamp["source"])
+        return False
+    return True
+
+
 def _from_run(run_dir: Path) -> Path:
     from ddptrain.export import ExportError, export
     from ddptrain.models.spec import ModelError
@@ -121,8 +149,7 @@ def _from_run(run_dir: Path) -> Path:
         stamp = _source_stamp(weights)
     except (FileNotFoundError, CheckpointError) as error:  # no weights, a damaged file or a moved tokenizer
         raise ServableError(str(error)) from None
-    marker = out / MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+    if _is_current(out, stamp):
         return out
     # Build beside it and rename into place: a reader sees the old or the new directory, never a mix.
     staging = Path(tempfile.mkdtemp(prefix=f".{SERVABLE}.", dir=run_dir))
@@ -134,7 +161,7 @@ def _from_run(run_dir: Path) -> Path:
         model_dir = staging / "model"
         if not (model_dir / "tokenizer.json").is_file():
             _add_run_tokenizer(run_dir, model_dir)
-        (model_dir / MARKER).write_text(json.dumps(stamp))
+        (model_dir / MARKER).write_text(json.dumps({**stamp, "own": _own_files(model_dir)}))
         old = run_dir / f".{SERVABLE}.old"
         if out.exists():
             shutil.rmtree(old, ignore_errors=True)

@@ -12,9 +12,10 @@ first request's temperature and top_p for every later request, ignores `stop`, a
 max_tokens=-1 with 200, a prompt longer than the context with 500 and malformed JSON with 422
 (measured with transformers 5.24; docs/serving.md has the whole comparison). Here every field is
 checked (a 400 names the field and the rule), sampling is per request, at most max_active +
-max_queue requests are in flight (more get 429), and a request whose client disconnects stops
-decoding at the next iteration. Both endpoints share the rules, the queue and the batch; they differ
-in the prompt (text, or messages through ddptrain.serving.messages) and the objects they answer with.
+max_queue requests are in flight (more get 429), a body over --max-request-mb is a 400 unread, a
+prompt is parsed, rendered and tokenized off the event loop, and a request whose client disconnects
+stops decoding at the next iteration. Both endpoints share the rules, the queue and the batch; they
+differ in the prompt (text, or messages through ddptrain.serving.messages) and the objects they answer with.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route's `request: Request` annotation at
@@ -42,6 +43,8 @@ ACCEPTED_FIELDS = ("prompt", "stream", "model", "n", "user", *SAMPLING_FIELDS)
 """Fields of OpenAI's completion request this server takes; any other is a 400 (not silently ignored)."""
 CHAT_FIELDS = ("messages", "stream", "model", "n", "user", "max_completion_tokens", *SAMPLING_FIELDS)
 """Fields of OpenAI's chat completion request this server takes (max_completion_tokens: max_tokens' newer name)."""
+MAX_REQUEST_BYTES = 8 * 2**20
+"""The default bound on a request body (--max-request-mb): a context of 128k tokens is about 0.5 MiB of text."""
 
 
 def _read_body(raw: bytes, accepted: tuple[str, ...]) -> dict:
@@ -55,7 +58,7 @@ def _read_body(raw: bytes, accepted: tuple[str, ...]) -> dict:
     unknown = sorted(set(body) - set(accepted))
     if unknown:
         raise RequestError(unknown[0], f"unknown field {unknown[0]!r}; this server accepts {', '.join(accepted)}")
-    if body.get("n", 1) != 1:
+    if "n" in body and (type(body["n"]) is not int or body["n"] != 1):  # True == 1.0 == 1 in Python
         raise RequestError("n", f"n={body['n']!r} must be 1 (one completion per request)")
     if not isinstance(body.get("stream", False), bool):
         raise RequestError("stream", f"stream={body['stream']!r} must be true or false")
@@ -113,6 +116,20 @@ def chat_params(generator: Generator, prompt_ids: list[int], fields: dict) -> Sa
     return params
 
 
+def check_text_fits(generator: Generator, texts: list[str], field: str) -> None:
+    """A RequestError when `texts` cannot fit the context whatever the template or tokenizer makes
+    of them: each token covers at most the characters of the vocabulary's longest token, so they
+    are at least (characters / that) tokens, halved for normalization that joins characters. Cheap,
+    so a huge request is refused before it is rendered or tokenized."""
+    if generator.context is None:
+        return
+    characters = sum(len(text) for text in texts if isinstance(text, str))  # others: a 400 of their own later
+    at_least = characters // (2 * generator.longest_token_chars)
+    if at_least > generator.context:
+        raise RequestError(field, f"{field} hold {characters} characters, at least {at_least} tokens, more than the "
+                                  f"model's context of {generator.context} positions")
+
+
 def _error(status: int, message: str, field: str | None = None, kind: str = "invalid_request_error"):
     from fastapi.responses import JSONResponse
 
@@ -148,9 +165,10 @@ async def _wait_for_disconnect(request) -> None:
         pass
 
 
-def build_app(generator: Generator, api_key: str | None = None):
+def build_app(generator: Generator, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES):
     """The FastAPI app; its lifespan starts the generator's decoding loop and closes it. With
-    `api_key`, every endpoint but /health requires it (ddptrain/serving/access.py)."""
+    `api_key`, every endpoint but /health requires it (ddptrain/serving/access.py). A request body
+    over `max_request_bytes` is a 400, unread."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from starlette.requests import ClientDisconnect
@@ -186,34 +204,60 @@ def build_app(generator: Generator, api_key: str | None = None):
     app.state.chat_template = chat_template
     text_bodies, chat_bodies = TextBodies(model), ChatBodies(model)
 
-    async def body_of(request: Request) -> bytes | None:
-        """The request body; None when the client went away before sending all of it (nobody to
-        answer: an info line, not an ERROR with a traceback per disconnect)."""
+    async def body_of(request: Request):
+        """The request body (bytes), or the response that ends the request: a 400 for a body over
+        max_request_bytes, refused by its Content-Length before any of it is read (or as soon as a
+        chunked one passes it); a 499 when the client went away before sending all of it (nobody
+        to answer: an info line, not an ERROR with a traceback per disconnect)."""
+        too_large = _error(400, f"the request body is larger than this server's limit of {max_request_bytes} bytes "
+                                f"({max_request_bytes / 2**20:.1f} MiB; python -m ddptrain.serve --max-request-mb)",
+                           "body")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            return too_large
+        chunks, size = [], 0
         try:
-            return await request.body()
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_request_bytes:
+                    return too_large
+                chunks.append(chunk)
         except ClientDisconnect:
             log.info("client %s disconnected before sending its whole request", request.client)
-            return None
+            return Response(status_code=499)
+        return b"".join(chunks)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        if (body := await body_of(request)) is None:
-            return Response(status_code=499)
-        try:
+        body = await body_of(request)
+        if not isinstance(body, bytes):
+            return body
+
+        def prepare():
             prompt, params, stream = parse_completion_request(body)
-            prompt_ids = generator.prepare(prompt, params)
+            check_text_fits(generator, [prompt], "prompt")
+            return generator.prepare(prompt, params), params, stream
+
+        try:  # parsing and tokenizing off the event loop: a large request holds up no other
+            prompt_ids, params, stream = await asyncio.to_thread(prepare)
         except RequestError as error:
             return _error(400, str(error), error.field)
         return await _answer(request, generator, prompt_ids, params, stream, text_bodies)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        if (body := await body_of(request)) is None:
-            return Response(status_code=499)
-        try:
+        body = await body_of(request)
+        if not isinstance(body, bytes):
+            return body
+
+        def prepare():
             messages, fields, stream = parse_chat_request(body)
+            check_text_fits(generator, [message["content"] for message in messages], "messages")
             prompt_ids = chat_template.render(messages)
-            params = chat_params(generator, prompt_ids, fields)
+            return prompt_ids, chat_params(generator, prompt_ids, fields), stream
+
+        try:  # parsing, rendering and tokenizing off the event loop: a large request holds up no other
+            prompt_ids, params, stream = await asyncio.to_thread(prepare)
         except RequestError as error:
             return _error(400, str(error), error.field)
         return await _answer(request, generator, prompt_ids, params, stream, chat_bodies)
@@ -287,12 +331,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="requests waiting beyond those; more get 429 (default: 256)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--kv-cache-mb", type=float, default=1024.0, help="KV cache bound in MiB (default: 1024)")
+    parser.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_BYTES / 2**20,
+                        help="a request body over this many MiB is a 400, unread (default: 8)")
     parser.add_argument("--api-key", default=None,
                         help=f"require Authorization: Bearer KEY on every endpoint but /health (or ${API_KEY_ENV})")
     parser.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
     parser.add_argument("--allow-unauthenticated", action="store_true",
                         help="serve a non-loopback --host without an API key")
     args = parser.parse_args(argv)
+    if not 0 < args.max_request_mb < float("inf"):
+        print(f"serve error: --max-request-mb={args.max_request_mb} must be a finite number of MiB > 0",
+              file=sys.stderr)
+        sys.exit(2)
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file)
         access = describe_access(args.host, api_key, args.allow_unauthenticated)  # before loading any model
@@ -314,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     log.info("serving %s (context %s tokens, %s) on http://%s:%d, %s", directory, generator.context, generator.device,
              args.host, args.port, access)
-    uvicorn.run(build_app(generator, api_key), host=args.host, port=args.port, log_level="warning",
+    app = build_app(generator, api_key, int(args.max_request_mb * 2**20))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
 
 

@@ -9,6 +9,7 @@ checkpointing, compile), then optimizer and schedule, then the engine under the 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -174,6 +175,7 @@ def validate_run(cfg: TrainConfig, world_size: int) -> int:
     DeepSpeed config ddptrain derives, against strategy.deepspeed); returns the accumulation steps.
     Both fail as a ConfigError before the process group or the run dir exists."""
     accumulation = validate(cfg, world_size)
+    cfg.run.dir = os.path.expanduser(cfg.run.dir)  # as every other path key: '~/runs/x' is in the home directory
     try:
         check_strategy_config(cfg.strategy.name, world_size=world_size, grad_clip=cfg.trainer.grad_clip,
                               **strategy_options(cfg.strategy), **step_layout(cfg, world_size))

@@ -318,3 +318,19 @@ def test_serving_and_exporting_a_checkpoint_read_its_trainer_state_once(tmp_path
     for directory in (served, tmp_path / "out"):
         exported = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
         assert max_logit_difference(module.eval(), exported) <= 1e-4
+
+
+@pytest.mark.parametrize("inside", ["final/x", "checkpoints/step_00000002/x", "checkpoints/new", "servable/x",
+                                    "previous/x", "final"])
+def test_an_export_into_a_directory_the_run_manages_is_refused_and_writes_nothing(tmp_path, capsys, inside):
+    run = tmp_path / "run"
+    for name in ("final", "checkpoints/step_00000002", "servable", "previous"):
+        (run / name).mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 2}\n')
+    before = sorted(str(path) for path in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run), str(run / inside)])  # the next launch would swap final/, purge the step, or rebuild servable/
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{run / inside}" in error and "inside" in error and "which the run manages" in error, error
+    assert sorted(str(path) for path in tmp_path.rglob("*")) == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import math
 import random
 import re
@@ -326,6 +327,69 @@ def test_bad_records_stop_with_the_file_line_and_the_rule(tmp_path, record, mess
         _load(tmp_path, [random_chats(1)[0], record])
     assert not [p for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name or (p / "meta.json").exists()], \
         "a failed build leaves nothing half-written in the cache"
+
+
+def test_a_corpus_whose_every_example_is_skipped_says_how_many_and_why(tmp_path):
+    directory = save_chat_tokenizer(tmp_path / "tok")
+    long_answer = {"messages": [{"role": "user", "content": "hello"},
+                                {"role": "assistant", "content": " ".join(WORDS[:40])}]}
+    lonely = {"messages": [{"role": "user", "content": "hello"}]}
+    with pytest.raises(DataError, match=r"the corpus is empty: no example with a target in data.paths \(skipped 1 "
+                                         r"conversation\(s\) without an assistant message .*c.jsonl:3; skipped 2 "
+                                         r"example\(s\) longer than batch.seq_len \+ 1 = 25 tokens .*c.jsonl:1\)"):
+        _load(tmp_path, [long_answer, long_answer, lonely], directory, seq_len=24)
+
+
+def test_a_glob_that_matches_a_directory_and_a_template_that_is_not_utf8_are_data_errors(tmp_path):
+    directory = save_chat_tokenizer(tmp_path / "tok")
+    chats = write_jsonl(tmp_path / "c.jsonl", [{"messages": [USER, ASSISTANT]}] * 4)
+    (tmp_path / "more.jsonl").mkdir()  # a directory the glob matches beside the files
+    config = _cfg(tmp_path, [tmp_path / "*.jsonl"], directory, val_percent=0.0)
+    with pytest.raises(DataError, match=r"data.paths: .*more.jsonl is a directory"):
+        load_splits(config, SEQ)
+    latin1 = "{% for m in messages %}{{ m['content'] }} \xe9{% endfor %}".encode("latin-1")
+    (tmp_path / "latin1.jinja").write_bytes(latin1)
+    config = _cfg(tmp_path, [chats], directory, val_percent=0.0, chat_template=str(tmp_path / "latin1.jinja"))
+    with pytest.raises(DataError, match=r"data.chat_template=.*latin1.jinja is not UTF-8 text"):
+        load_splits(config, SEQ)
+
+
+def test_a_template_that_loops_or_floods_and_a_huge_template_or_line_are_named_errors(tmp_path, monkeypatch):
+    from ddptrain.data import chat, sources
+
+    chats = [{"messages": [USER, ASSISTANT]}] * 2
+    looping = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+               "{{ messages[0].content }}")
+    (tmp_path / "loop.jinja").write_text(looping)
+    monkeypatch.setattr(chat, "RENDER_TIMEOUT_S", 1)  # the bound itself; the default is longer
+    started = time.monotonic()
+    with pytest.raises(DataError, match=r"c.jsonl:1: the chat template .*loop.jinja.* took more than 1 s to render"):
+        _load(tmp_path, chats, chat_template=str(tmp_path / "loop.jinja"))
+    assert time.monotonic() - started < 30
+    (tmp_path / "flood.jinja").write_text("{% for a in range(20000) %}{{ 'x' * 1000 }}{% endfor %}")
+    with pytest.raises(DataError, match=r"c.jsonl:1: .* rendered the conversation to 20000000 characters, more than "
+                                         r"the limit of 16777216"):
+        _load(tmp_path, chats, chat_template=str(tmp_path / "flood.jinja"))
+    (tmp_path / "huge.jinja").write_text("{# padding #}" * 100_000)
+    with pytest.raises(DataError, match=r"huge.jinja is 1300000 bytes, more than a chat template's limit of 1048576"):
+        _load(tmp_path, chats, chat_template=str(tmp_path / "huge.jinja"))
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 1 << 20)  # the bound itself at 1 MiB; the default is 16 MiB
+    long_line = {"messages": [USER, {"role": "assistant", "content": "x" * (2 << 20)}]}
+    with pytest.raises(DataError, match=r"c.jsonl:2: the line is longer than 1 MiB, the limit of one JSONL record"):
+        _load(tmp_path, [chats[0], long_line, chats[0]])
+
+
+def test_preprocessing_says_how_far_it_got_while_one_record_takes_long(caplog):
+    from ddptrain.data.cache import BuildProgress
+
+    progress = BuildProgress(100, "B", "preprocessing sft", every_s=0.2)
+    try:
+        with caplog.at_level(logging.INFO, logger="ddptrain"):
+            progress.update(40)
+            time.sleep(1.0)  # one slow record: no update() call
+    finally:
+        progress.close()
+    assert caplog.text.count("preprocessing sft: 40.0% (40 / 100 B") >= 2, caplog.text
 
 
 def test_a_template_that_fails_to_render_is_named(tmp_path):

@@ -97,6 +97,10 @@ def _logits(model, seed: int = 5):
 @pytest.mark.parametrize("override, message", [
     ("model.lora.r=-1", "model.lora.r=-1 must be >= 0"),
     ("model.lora.alpha=0", "model.lora.alpha=0.0 must be > 0"),
+    ("model.lora.alpha=inf", "model.lora.alpha=inf must be > 0 and finite"),
+    ("model.lora.alpha=1e309", "model.lora.alpha=inf must be > 0 and finite"),
+    ("model.lora.alpha=nan", "model.lora.alpha=nan must be > 0 and finite"),
+    ("model.lora.dropout=nan", "model.lora.dropout=nan must be in [0, 1)"),
     ("model.lora.dropout=1.0", "model.lora.dropout=1.0 must be in [0, 1)"),
     ("model.lora.target_modules=[]", "model.lora.target_modules=[] must be all-linear or a non-empty list"),
     ("+model.lora.rank=8", "model.lora.rank is not a config key; the keys of model.lora are: r, alpha, dropout"),
@@ -132,6 +136,19 @@ def test_all_linear_adapts_attention_and_mlp_projections_not_the_head(tmp_path):
         {"q_proj", "v_proj"}
     with pytest.raises(ModelError, match=r"model.lora.target_modules=\['nope'\]"):
         HFAdapter().build(_model_cfg(tmp_path / "base", target_modules=["nope"]), 256, SEQ)
+
+
+@pytest.mark.parametrize("targets, message", [
+    (["q_proj", "v_projj"], r"model.lora.target_modules=\['q_proj', 'v_projj'\]: 'v_projj' matches no module of the "
+                            r"model at model.path=.*"
+                            r"its adaptable layers are named: .*v_proj"),
+    (["q_proj", "input_layernorm"], r"'input_layernorm' matches LlamaRMSNorm modules .*LoRA adapts Linear, "
+                                    r"Embedding and Conv layers only"),
+])
+def test_every_lora_target_must_name_an_adaptable_module(tmp_path, targets, message):
+    base = _base_dir(tmp_path / "base")
+    with pytest.raises(ModelError, match=message):
+        HFAdapter().build(_model_cfg(base, target_modules=targets), 256, SEQ)
 
 
 def test_lora_needs_base_weights(tmp_path):
@@ -275,21 +292,61 @@ def test_other_base_weights_are_refused_by_load_model_and_on_resume(tmp_path):
 
 
 def test_the_servable_merge_is_remade_when_the_base_changes_under_the_same_mtimes(tmp_path):
-    from ddptrain.serving.servable import ServableError, servable_dir
+    from ddptrain.serving.servable import MARKER, ServableError, servable_dir
 
     base, run_dir, _ = _finished_run(tmp_path)
     before = _logits(transformers.AutoModelForCausalLM.from_pretrained(servable_dir(run_dir)))
     assert torch.allclose(before, _logits(ddptrain.load_model(run_dir)), rtol=0, atol=1e-5)
+    made = (run_dir / "servable" / MARKER).stat().st_mtime_ns
+
+    generation = json.loads((base / "generation_config.json").read_text())  # a base file that is not the model's
+    keeping_mtimes(base, lambda: (base / "generation_config.json").write_text(json.dumps({**generation, "top_k": 7})))
+    after = _logits(transformers.AutoModelForCausalLM.from_pretrained(servable_dir(run_dir)))
+    assert (run_dir / "servable" / MARKER).stat().st_mtime_ns != made  # remade from the changed base
+    assert torch.equal(after, before)
 
     config = json.loads((base / "config.json").read_text())  # the same weights, another function of them
     keeping_mtimes(base, lambda: (base / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5})))
-    after = _logits(transformers.AutoModelForCausalLM.from_pretrained(servable_dir(run_dir)))
-    assert torch.allclose(after, _logits(ddptrain.load_model(run_dir)), rtol=0, atol=1e-5)
-    assert not torch.allclose(after, before, rtol=0, atol=1e-3)  # the new base's merge, not the stale one
+    with pytest.raises(ServableError, match="rms_norm_eps"):  # not what trained: refused, never served
+        servable_dir(run_dir)
+    keeping_mtimes(base, lambda: (base / "config.json").write_text(json.dumps(config)))
 
     keeping_mtimes(base, lambda: _base_dir(base, seed=1))  # other base weights: refused, not served stale
     with pytest.raises(ServableError, match="trained over other base weights than those now at model.path="):
         servable_dir(run_dir)
+
+
+def test_exporting_a_lora_run_whose_base_is_gone_names_the_missing_base(tmp_path, capsys):
+    from ddptrain.export import main
+
+    base, run_dir, _ = _finished_run(tmp_path)
+    shutil.rmtree(base)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(run_dir), str(tmp_path / "out"), "--merge"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"model.path={base}, which is not there (any more)" in error and "Repo id" not in error, error
+
+
+@pytest.mark.parametrize("key, value", [("rms_norm_eps", 0.5),
+                                        ("rope_parameters", {"rope_theta": 1234.0, "rope_type": "default"})])
+def test_an_edited_base_config_is_refused_by_load_model_export_and_serving(tmp_path, key, value):
+    """The base's config.json is part of what the adapter trained over, as a resume already says."""
+    from ddptrain.serving.servable import ServableError, servable_dir
+
+    base, run_dir, trained = _finished_run(tmp_path)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ModelError, match=f"{key}: .* -> "):
+        ddptrain.load_model(run_dir)
+    with pytest.raises(ModelError, match=key):
+        export(run_dir, tmp_path / "merged", merge=True)
+    assert not (tmp_path / "merged").exists()
+    with pytest.raises(ServableError, match=key):
+        servable_dir(run_dir)
+    (base / "config.json").write_text(json.dumps(config))  # put back: accepted again, the trained logits
+    trained.eval()
+    assert torch.equal(_logits(ddptrain.load_model(run_dir)), _logits(trained))
 
 
 # -- CLI runs -------------------------------------------------------------------------------------

@@ -530,3 +530,85 @@ def test_a_run_dir_names_its_layout(tmp_path):
         tmp_path / "run" / "checkpoints", tmp_path / "run" / "final", tmp_path / "run" / "config.yaml",
         tmp_path / "run" / "train.log", tmp_path / "run" / "metrics.jsonl")
     assert run_dir.final_step() is None
+
+
+def test_a_run_dir_holding_the_users_own_files_is_refused_by_name_and_nothing_is_touched(tmp_path):
+    mine = {"config.yaml": "my: own config\n", "notes.txt": "do not lose\n"}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=1", "run.dir=."], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "run.dir" in result.stderr and "config.yaml" in result.stderr and "notes.txt" in result.stderr
+    assert "empty" in result.stderr  # the rule
+    assert sorted(os.listdir(tmp_path)) == sorted(mine)  # no lock, no train.log, nothing
+    assert all((tmp_path / name).read_text() == text for name, text in mine.items())
+
+
+def test_the_home_directory_is_never_a_run_dir(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=1", "run.dir='~'"], cwd=tmp_path, env={"HOME": str(home)})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "run.dir=~" in result.stderr and "its own folder" in result.stderr
+    assert os.listdir(home) == []
+
+
+def test_the_filesystem_root_is_never_a_run_dir():
+    from ddptrain.config.compose import compose_config
+    from ddptrain.config.schema import ConfigError
+    from ddptrain.train.builder import validate_run
+
+    # in-process and refused by validation: a launch on the old rules wrote its run files into /
+    with pytest.raises(ConfigError, match=r"run.dir=/ .*its own folder"):
+        validate_run(compose_config(["run.dir=/"]), 1)
+
+
+def test_a_run_dir_with_a_tilde_is_in_the_home_directory(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=1", "checkpoint.every=0", "run.dir='~/runs/x'"], cwd=tmp_path,
+                     env={"HOME": str(home)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (home / "runs" / "x" / "final").is_dir()
+    assert not (tmp_path / "~").exists()
+
+
+def test_an_earlier_run_dir_and_an_empty_one_are_accepted(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=1", "checkpoint.every=0", f"run.dir={empty}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    (empty / "my_notes.txt").write_text("a note beside the run\n")  # a run dir stays one with a file added
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=2", "checkpoint.every=0", f"run.dir={empty}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (empty / "my_notes.txt").read_text() == "a note beside the run\n"
+
+
+@pytest.mark.parametrize("data, run_dir", [
+    (["data=text", "data.paths=[{corpus}/*]"], "{corpus}"),  # the run's train.log a document
+    (["data=sft", "data.paths=['{corpus}/**/*.jsonl']"], "{corpus}/run"),  # its metrics.jsonl a chat on relaunch
+    (["data=text", "data.paths=[{corpus}/*.txt]", "data.val_paths=['{corpus}/**']"], "{corpus}/runs/a"),
+])
+def test_a_data_glob_that_reaches_the_run_dir_is_refused_by_name_and_nothing_is_written(tmp_path, data, run_dir):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index in range(4):
+        (corpus / f"doc{index}.txt").write_text("some text to train on\n" * 20)
+    (corpus / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    before = sorted(str(path) for path in tmp_path.rglob("*"))
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=1", *(item.format(corpus=corpus) for item in data),
+                      f"run.dir={run_dir.format(corpus=corpus)}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "config error" in result.stderr and "reaches run.dir=" in result.stderr, result.stderr[-2000:]
+    assert "data.paths" in result.stderr or "data.val_paths" in result.stderr
+    assert sorted(str(path) for path in tmp_path.rglob("*")) == before
+
+
+def test_a_data_glob_beside_the_run_dir_is_accepted(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index in range(4):
+        (corpus / f"doc{index}.txt").write_text("some text to train on\n" * 20)
+    result = run_cli([*SMALL_RUN, "trainer.max_steps=1", "checkpoint.every=0", "data=text",
+                      f"data.paths=[{corpus}/*.txt]", f"run.dir={corpus}/run"])
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -240,6 +240,32 @@ def test_servable_dir_of_a_run_is_made_once_and_remade_when_the_weights_contents
     assert servable_dir(run) == directory and (directory / MARKER).stat().st_mtime_ns == made  # reused
 
 
+def test_a_damaged_servable_copy_is_rebuilt_and_a_truncated_model_directory_is_a_serve_error(run_dir, model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from ddptrain.serving.servable import ServableError
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, symlinks=True)
+    weights = servable_dir(run) / "model.safetensors"
+    idx = torch.tensor([list(b"def main():\n    return 1")])
+    data = weights.read_bytes()
+    keeping_mtimes(weights.parent, lambda: weights.write_bytes(data[:-64] + b"\x7f" * 64))  # same size, huge values
+    with torch.no_grad():
+        served = AutoModelForCausalLM.from_pretrained(servable_dir(run))(idx).logits
+    assert torch.allclose(served, model(idx), atol=1e-5)  # rebuilt, not served damaged
+    keeping_mtimes(weights.parent, lambda: weights.write_bytes(data[: len(data) // 2]))  # truncated
+    with torch.no_grad():
+        served = AutoModelForCausalLM.from_pretrained(servable_dir(run))(idx).logits
+    assert torch.allclose(served, model(idx), atol=1e-5)
+
+    copied = tmp_path / "copied"  # a transformers directory served as it is: a truncated file is named
+    shutil.copytree(servable_dir(run), copied)
+    (copied / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ServableError, match=r"copied: its model cannot be loaded .*truncated or damaged"):
+        Generator(copied, device="cpu")
+
+
 # -- continuous batching: the same tokens as alone ---------------------------------------------------
 
 
@@ -358,6 +384,8 @@ BAD_REQUESTS = [
     ('{"prompt": "x", "stop": [""]}', "stop", "non-empty"),
     ('{"prompt": "x", "stream": "yes"}', "stream", "true or false"),
     ('{"prompt": "x", "n": 2}', "n", "must be 1"),
+    ('{"prompt": "x", "n": true}', "n", "n=True must be 1"),
+    ('{"prompt": "x", "n": 1.0}', "n", "n=1.0 must be 1"),
     ('{"prompt": "x", "max_token": 4}', "max_token", "unknown field"),
 ]
 
@@ -590,6 +618,10 @@ BAD_CHAT_REQUESTS = [
     ({"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"messages": HI, "stream": "yes"}, "stream", "true or false"),
     ({"messages": HI, "n": 2}, "n", "must be 1"),
+    ({"messages": HI, "n": True}, "n", "n=True must be 1"),
+    ({"messages": HI, "n": 1.0}, "n", "n=1.0 must be 1"),
+    ({"messages": [{"role": "user", "content": "x" * 1000}]}, "messages",
+     "at least 500 tokens, more than the model's context of 64"),
     ({"messages": HI, "prompt": "x"}, "prompt", "unknown field 'prompt'"),
 ]
 
@@ -614,6 +646,46 @@ def test_every_bad_chat_request_gets_a_400_naming_the_field_and_the_rule(chat_di
         [refused] = asyncio.run(post_all(url, [{"messages": HI}]))
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
     assert "the served model has no chat template" in refused.json()["error"]["message"]
+
+
+def test_a_20_mb_request_gets_its_400_at_once_and_does_not_slow_the_small_ones(chat_dir):
+    """The body's size is checked before it is read, and rendering and tokenizing run off the event
+    loop: a huge request neither waits for its refusal nor holds up the others. Latencies are
+    compared with the same server's, measured just before, so the bound holds on a slow machine."""
+    small = {"messages": HI, "max_tokens": 4, "temperature": 0}
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * 20_000_000}], "max_tokens": 4})
+
+    async def small_ones(client, url, count: int) -> list[float]:
+        latencies = []
+        for _ in range(count):
+            started = time.perf_counter()
+            response = await client.post(url + "/v1/chat/completions", json=small)
+            assert response.status_code == 200, response.text
+            latencies.append(time.perf_counter() - started)
+        return latencies
+
+    async def huge_one(client, url) -> tuple[int, str, float]:
+        started = time.perf_counter()
+        response = await client.post(url + "/v1/chat/completions", content=huge,
+                                     headers={"content-type": "application/json"})
+        return response.status_code, response.text, time.perf_counter() - started
+
+    async def measure(url):
+        async with httpx.AsyncClient(timeout=60) as client, httpx.AsyncClient(timeout=60) as other:
+            await small_ones(client, url, 3)  # warm up
+            alone = await small_ones(client, url, 12)
+            beside, (status, text, refused_in) = await asyncio.gather(small_ones(client, url, 12),
+                                                                      huge_one(other, url))
+            health = await client.get(url + "/health")
+        return alone, beside, status, text, refused_in, health.status_code
+
+    with serving(chat_dir) as (url, _):
+        alone, beside, status, text, refused_in, health = asyncio.run(measure(url))
+    assert status == 400 and "request body" in text and "MiB" in text, text[:500]
+    assert refused_in < 1.0, refused_in
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    assert median(beside) < 2 * median(alone), (alone, beside)
+    assert health == 200
 
 
 # -- the command-line tools ---------------------------------------------------------------------------

@@ -144,6 +144,21 @@ def test_a_model_directory_that_is_not_there_is_a_model_error_not_a_traceback(tm
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--world-size", "0"], "--world-size=0 must be an integer >= 1"),
+    (["--world-size", "-2"], "--world-size=-2 must be an integer >= 1"),
+    (["--ranks-per-node", "0"], "--ranks-per-node=0 must be an integer >= 1"),
+    (["--ranks-per-node", "-8"], "--ranks-per-node=-8 must be an integer >= 1"),
+    (["--world-size", "16", "--ranks-per-node", "5"], "--ranks-per-node=5 must divide --world-size=16"),
+])
+def test_a_bad_world_size_or_ranks_per_node_names_the_flag_the_value_and_the_rule(flags, message, capsys):
+    from ddptrain.plan import main
+
+    assert main([*flags, "batch.global_size=160", "batch.micro_size=2"]) == 2
+    error = capsys.readouterr()
+    assert f"config error: {message}" in error.err and not error.out, error
+
+
 @pytest.mark.parametrize("world_size", [4, pytest.param(2, marks=pytest.mark.slow)])
 def test_plan_payloads_equal_those_counted_on_gloo_ranks(world_size):
     """4 ranks: ddp, fsdp 1x4, HSDP 2x2; 2 ranks: ddp, fsdp 1x2, HSDP 2x1 (replicas only)."""
