@@ -146,6 +146,11 @@ class TrainBatches:
             return [(len(rows), max(width(row) for row in rows)) for micro in self.layout(step) for rows in micro]
         return [(len(ids), int(self._positions[ids].max())) for micro in self.layout(step) for ids in micro]
 
+    def global_positions(self, step: int) -> int:
+        """Input positions that hold a token in the step's microbatches of every rank: its examples'
+        (or packed rows') own lengths, masked targets included, padding not."""
+        return int(self._positions[self.plan.global_batch(step)].sum())
+
     def microbatches(self, step: int) -> list:
         collate = self.examples.collate if self.conversation_rows is None else self.conversation_rows.collate
         return [collate(ids) for ids in self.microbatch_ids(step)]
