@@ -672,7 +672,7 @@ def test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume(tmp_p
     for name, (ranks, options) in layouts.items():
         run_dir = tmp_path / name.replace(" ", "").replace(",", "_")
         if name in ("2x2", "default"):  # two steps, then a re-run with three resumes from the final checkpoint
-            unpacked = ["batch.pack=false"] if name == "default" else options
+            unpacked = ["batch.pack=false", "batch.micro_size=2"] if name == "default" else options
             first = run_cli([*base, *unpacked, "trainer.max_steps=2", f"run.dir={run_dir}"], nproc=ranks)
             assert first.returncode == 0, first.stderr[-3000:]
         result = run_cli([*base, *options, f"run.dir={run_dir}"], nproc=ranks)
@@ -824,3 +824,15 @@ def test_padding_efficiency_counts_masked_prompts_as_real_and_valid_targets_apar
         assert m["padding_efficiency"] == pytest.approx(real / processed, rel=1e-12)
         assert m["valid_target_fraction"] == pytest.approx(valid / processed, rel=1e-12)
         assert m["valid_target_fraction"] < 0.7 * m["padding_efficiency"], "prompts are masked, not padding"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_step_of_few_short_conversations_still_gives_every_rank_a_packed_row(tmp_path, world_size):
+    """8 chats fit one row of 4 x SEQ positions; packed into that one row, all but one rank would wait."""
+    train = _load(tmp_path, random_chats(40, seed=13), seq_len=SEQ).train
+    for step in range(4):
+        ranks = [TrainBatches(train, 8, 8, seed=3, rank=rank, world_size=world_size, pack=True, seq_len=4 * SEQ)
+                 for rank in range(world_size)]
+        rows = [row for batches in ranks for micro in batches.microbatch_ids(step) for row in micro]
+        assert all(batches.microbatch_ids(step) for batches in ranks), step
+        assert sorted(np.concatenate(rows)) == sorted(ranks[0].plan.global_batch(step)), "the step's own, whole"
