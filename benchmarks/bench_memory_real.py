@@ -56,7 +56,8 @@ def ddptrain_step(model_dir: Path, rows: int, seq_len: int, steps: int) -> dict:
     from ddptrain.distributed import init_distributed
     from ddptrain.train import builder
 
-    cfg = compose_config(["model=hf", f"model.path={model_dir}", "data=stdlib", "data.max_docs=400", "batch.pack=true", f"batch.seq_len={seq_len}",
+    cfg = compose_config(["model=hf", f"model.path={model_dir}", "data=stdlib", "data.max_docs=400", "batch.pack=true",
+                          f"batch.seq_len={seq_len}",
                           f"batch.global_size={rows}", f"batch.micro_size={rows}", "trainer.precision=fp32",
                           "optim.warmup_steps=0", f"trainer.max_steps={steps}"])
     builder.validate_run(cfg, 1)

@@ -174,7 +174,8 @@ def training_examples(args, model_dir: Path, train: Path, val: Path, cache: Path
 
 def layout(name: str, args) -> list[str]:
     micro = f"batch.micro_size={args.micro}"
-    return {"ddptrain-micro": [micro, "batch.pack=false"], "ddptrain-budget": [f"batch.micro_tokens={args.micro_tokens}"],
+    return {"ddptrain-micro": [micro, "batch.pack=false"],
+            "ddptrain-budget": [f"batch.micro_tokens={args.micro_tokens}"],
             "ddptrain-pack": ["batch.pack=true", micro], "ddptrain-default": [],
             "ddptrain-best": args.best.split()}[name]
 
@@ -397,8 +398,8 @@ def main_real(args) -> None:
                         peak = peak_rss(out)
                     else:
                         packing = ("--packing",) if name == "trl-pack" else ()
-                        rate, _, result = run_trl(args, model_dir, train, out, ("--loss", "completion", *lora, *packing),
-                                                  micro=rows if packing else None)
+                        options = ("--loss", "completion", *lora, *packing)
+                        rate, _, result = run_trl(args, model_dir, train, out, options, micro=rows if packing else None)
                         peak = result["peak_rss_bytes"]
                     figures[finetune][name].append((rate, peak))
                 print(f"{finetune} round {round_index + 1}: " + ", ".join(

@@ -187,7 +187,7 @@ def test_packed_memory_benchmark_prints_the_dense_mask_beside_the_default_backen
     assert mask_long / mask_short > 6 and auto_long / auto_short < 5 and auto_long < mask_long, out
 
 
-def test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl_on_the_real_model():
+def test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl():
     from tests.real_model import smollm2_dir
     from tests.real_text import wordnet_glosses
 
@@ -206,7 +206,7 @@ def test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl_on
     assert [float(value) for value in rows["trl"][2:4]] == [1.0, 1.0], out
 
 
-def test_real_memory_benchmark_prints_ddptrain_beside_a_bare_transformers_loop():
+def test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop():
     from tests.real_model import smollm2_dir
 
     smollm2_dir()  # or skip, saying what is missing

@@ -92,6 +92,13 @@ COMMANDS = {
     "python -m benchmarks.bench_peer --seq-len 256 --contenders ddptrain-pack,ddptrain-pack+compile,hf-group,"
     "hf-group+compile,hf":
         "tests/test_benchmarks.py::test_peer_benchmark_compiles_the_contenders_named_with_plus_compile (tiny sizes)",
+    "python -m benchmarks.bench_peer --mode sft --real --rounds 1 --steps 4 --log-every 1 --chats 2000 "
+    "--global-batch 32 --micro 4 --seq-len 256":
+        "tests/test_benchmarks.py::test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl",
+    "python -m benchmarks.bench_memory_real --shapes 4x1024 --vocabularies smollm2":
+        "tests/test_benchmarks.py::test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop (1 x 128)",
+    "python -m benchmarks.bench_memory_real --shapes 1x1024 --vocabularies smollm2,qwen":
+        "tests/test_benchmarks.py::test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop (1 x 128)",
     "python -m benchmarks.bench_peer --mode step --seq-len 1024":
         "tests/test_benchmarks.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
     "python -m benchmarks.bench_peer --mode step --seq-len 256":

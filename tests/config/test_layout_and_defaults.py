@@ -49,7 +49,8 @@ def test_gpt_defaults_are_declared_once():
     (["data=sft", "batch.micro_size=2"], True, "packed conversations (the default for data=sft)"),
     (["data=sft", "batch.pack=false"], False, None),
     (["data=sft", "batch.micro_tokens=512"], False, "unpacked conversations under batch.micro_tokens"),
-    (["data=sft", "model=custom", "model._target_=tests.toy_models.make_conv_lm"], False, "a model._target_ model packs"),
+    (["data=sft", "model=custom", "model._target_=tests.toy_models.make_conv_lm"], False,
+     "unpacked conversations: a model._target_ model packs"),
     ([], False, "unpacked rows: data=stdlib packed would draw other examples"),
     (["batch.pack=true"], True, None),
 ])
