@@ -35,6 +35,14 @@ AdamW (lr 1e-3, betas 0.9/0.95, weight decay 0.1, constant), clipping at 1.0, fp
 Rounds alternate the order (ABCD, DCBA, ...) so that a shared machine's noise hits all alike; the
 report is per-round figures, padding efficiency (valid targets / padded positions) and the
 median of per-round ratios to TRL. A figure, not a test.
+
+`--real` runs the real model instead (tests/real_model.py: SmolLM2-135M-Instruct, vocabulary 49,152,
+ChatML without generation markers, which TRL refuses for assistant-only loss) on WordNet
+prompt-completion pairs (tests/real_text.py: "What does 'X' mean?" -> the gloss), completion-only
+loss on both sides, for `--finetune lora,full` (LoRA r=16 on every linear layer; every weight):
+ddptrain-default (nothing set but the global batch), ddptrain-best (`--best`), trl (its default
+padding) and trl-pack (packing=True: padding-free rows of seq_len; whether its attention keeps the
+documents apart is probed and printed). Beside each rate stands rank 0's peak resident set size.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ from pathlib import Path
 from benchmarks.peer_common import BETAS, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, execute, torchrun, windowed_rates
 
 CONTENDERS = ("ddptrain-micro", "ddptrain-budget", "ddptrain-pack", "trl")
+REAL_CONTENDERS = ("ddptrain-default", "ddptrain-best", "trl", "trl-pack")
+FINETUNES = {"lora": ["model.lora.r=16"], "full": []}
+"""ddptrain's overrides per fine-tuning mode (LoRA: alpha 16, no dropout, every linear layer, as TRL's peft config)."""
 WORKER = Path(__file__).with_name("trl_sft_worker.py")
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<eos>"]
 # ChatML; each assistant reply and its end-of-turn token inside {% generation %}, the newline after it outside.
@@ -163,12 +174,15 @@ def training_examples(args, model_dir: Path, train: Path, val: Path, cache: Path
 
 def layout(name: str, args) -> list[str]:
     micro = f"batch.micro_size={args.micro}"
-    return {"ddptrain-micro": [micro], "ddptrain-budget": [f"batch.micro_tokens={args.micro_tokens}"],
-            "ddptrain-pack": ["batch.pack=true", micro]}[name]
+    return {"ddptrain-micro": [micro, "batch.pack=false"],
+            "ddptrain-budget": [f"batch.micro_tokens={args.micro_tokens}"],
+            "ddptrain-pack": ["batch.pack=true", micro], "ddptrain-default": [],
+            "ddptrain-best": args.best.split()}[name]
 
 
-def run_ddptrain(name: str, args, data: list[str], model_dir: Path, run_dir: Path) -> tuple[float, float]:
-    cmd = [*torchrun(args), "-m", "ddptrain", "model=hf", f"model.path={model_dir}", *data, *layout(name, args),
+def run_ddptrain(name: str, args, data: list[str], model_dir: Path, run_dir: Path,
+                 extra: tuple[str, ...] = ()) -> tuple[float, float]:
+    cmd = [*torchrun(args), "-m", "ddptrain", "model=hf", f"model.path={model_dir}", *data, *layout(name, args), *extra,
            f"batch.seq_len={args.seq_len}", f"batch.global_size={args.global_batch}",
            f"trainer.max_steps={args.steps}", f"trainer.log_every={args.log_every}", "trainer.eval_examples=1",
            f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.weight_decay={WEIGHT_DECAY}",
@@ -178,18 +192,23 @@ def run_ddptrain(name: str, args, data: list[str], model_dir: Path, run_dir: Pat
     return windowed_rates(run_dir, args.log_every)
 
 
-def run_trl(args, model_dir: Path, train: Path, out: Path) -> tuple[float, float, dict]:
-    accumulation, remainder = divmod(args.global_batch, args.micro * args.world_size)
+def run_trl(args, model_dir: Path, train: Path, out: Path, options: tuple[str, ...] = (),
+            micro: int | None = None) -> tuple[float, float, dict]:
+    """`options`: the worker's own flags (--loss, --packing, --lora-r); `micro`: rows per device (packing)."""
+    micro = micro or args.micro
+    accumulation, remainder = divmod(args.global_batch, micro * args.world_size)
+    if "--packing" in options:
+        accumulation, remainder = 1, 0  # `micro` packed rows per device hold about the global batch
     if remainder or not accumulation:
-        raise SystemExit(f"global batch {args.global_batch} must be divisible by micro {args.micro} x world size "
+        raise SystemExit(f"global batch {args.global_batch} must be divisible by micro {micro} x world size "
                          f"{args.world_size} for TRL's gradient accumulation")
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}",
            str(WORKER), "--model-dir", str(model_dir), "--chats", str(train), "--out", str(out),
-           "--micro", str(args.micro), "--accumulation", str(accumulation), "--steps", str(args.steps),
+           "--micro", str(micro), "--accumulation", str(accumulation), "--steps", str(args.steps),
            "--timed-from", str(args.log_every), "--max-length", str(args.seq_len + 1), "--seed", str(SEED),
            "--lr", str(LR), "--betas", *map(str, BETAS), "--weight-decay", str(WEIGHT_DECAY),
-           "--grad-clip", str(GRAD_CLIP)]
+           "--grad-clip", str(GRAD_CLIP), *options]
     execute(cmd, args, extra_env={"HF_DATASETS_CACHE": str(out / "datasets")})
     result = json.loads((out / "result.json").read_text())
     return result["valid_tokens"] / result["seconds"], result["valid_tokens"] / result["padded_tokens"], result
@@ -201,8 +220,14 @@ def run_trl(args, model_dir: Path, train: Path, out: Path) -> tuple[float, float
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_peer --mode sft",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help=f"comma-separated, of {', '.join(CONTENDERS)}")
+    parser.add_argument("--real", action="store_true",
+                        help="the real model on WordNet pairs (contenders "
+                             f"{', '.join(REAL_CONTENDERS)}; --chats counts pairs)")
+    parser.add_argument("--contenders", default=None,
+                        help=f"comma-separated, of {', '.join(CONTENDERS)} (--real: {', '.join(REAL_CONTENDERS)})")
+    parser.add_argument("--finetune", default="lora,full", help="--real: lora and/or full, comma-separated")
+    parser.add_argument("--best", default=None,
+                        help="--real: ddptrain-best's overrides (default: packed, one microbatch per rank)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
     parser.add_argument("--log-every", type=int, default=5, help="steps 1..log-every are warm-up, not timed")
@@ -222,9 +247,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     args = parser.parse_args(argv)
-    contenders = args.contenders.split(",")
-    if any(name not in CONTENDERS for name in contenders) or "trl" not in contenders or len(contenders) < 2:
-        parser.error(f"--contenders {args.contenders}: of {', '.join(CONTENDERS)}, with trl and at least one ddptrain")
+    known = REAL_CONTENDERS if args.real else CONTENDERS
+    contenders = (args.contenders or ",".join(known)).split(",")
+    if any(name not in known for name in contenders) or "trl" not in contenders or len(contenders) < 2:
+        parser.error(f"--contenders {args.contenders}: of {', '.join(known)}, with trl and at least one ddptrain")
+    args.finetune = args.finetune.split(",")
+    if not args.finetune or any(mode not in FINETUNES for mode in args.finetune):
+        parser.error(f"--finetune {','.join(args.finetune)}: of {', '.join(FINETUNES)}")
+    args.best = args.best or f"batch.pack=true batch.micro_size={args.global_batch}"
     if args.steps <= args.log_every:
         parser.error(f"--steps {args.steps} must exceed --log-every {args.log_every} (the warm-up steps)")
     args.contenders = contenders
@@ -245,6 +275,8 @@ def describe(args, examples) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.real:
+        return main_real(args)
     rates: dict[str, list[float]] = {name: [] for name in args.contenders}
     efficiency: dict[str, list[float]] = {name: [] for name in args.contenders}
     with tempfile.TemporaryDirectory(prefix="bench_peer_sft_") as tmp:
@@ -286,3 +318,106 @@ def report(args, rates: dict[str, list[float]], efficiency: dict[str, list[float
         print(f"{name + ' / trl':22}" + "".join(f"{r:10.2f}" for r in values) + f"{statistics.median(values):10.2f}")
     best = max(ratios, key=lambda name: statistics.median(ratios[name]))
     print(f"best ddptrain layout: {best}, median ratio {statistics.median(ratios[best]):.2f} (target >= 1.3)")
+
+
+# -- the real model ------------------------------------------------------------------------------
+
+
+def real_inputs(args) -> tuple[Path, Path, Path]:
+    """(SmolLM2's directory, train pairs, val pairs): built once per machine into the tests' cache."""
+    import pytest
+
+    from tests.real_model import smollm2_dir
+    from tests.real_text import wordnet_records
+
+    try:
+        return smollm2_dir(), wordnet_records(args.chats, seed=1), wordnet_records(8, seed=2)
+    except pytest.skip.Exception as missing:
+        raise SystemExit(f"--real needs the real model and WordNet: {missing}") from None
+
+
+def trl_packing_mixes_documents(model_dir: Path, train: Path) -> float:
+    """The largest logit difference between two pairs in one row of TRL's padding-free collator (what
+    packing=True feeds the model) and each pair alone: 0 keeps the documents apart."""
+    import torch
+    import transformers
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    pairs = [json.loads(line) for line in train.read_text().splitlines()[:2]]
+    ids = [tokenizer(pair["prompt"] + pair["completion"])["input_ids"] for pair in pairs]
+    batch = DataCollatorForLanguageModeling(pad_token_id=tokenizer.eos_token_id, padding_free=True)(
+        [{"input_ids": row} for row in ids])
+    with torch.no_grad():
+        packed = model(**{key: value for key, value in batch.items() if key != "labels"}).logits[0]
+        alone = torch.cat([model(torch.tensor([row])).logits[0] for row in ids])
+    return float((packed - alone).abs().max())
+
+
+def packed_rows_per_device(args, train: Path, model_dir: Path) -> int:
+    """TRL's packed rows of seq_len per device that hold about the global batch's positions."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    pairs = [json.loads(line) for line in train.read_text().splitlines()[:200]]
+    mean = statistics.mean(len(tokenizer(p["prompt"] + p["completion"])["input_ids"]) for p in pairs)
+    return max(1, round(args.global_batch * mean / (args.seq_len * args.world_size)))
+
+
+def peak_rss(run_dir: Path) -> int:
+    """Rank 0's peak resident set size: the last metrics.jsonl line's."""
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["peak_memory_bytes"]
+
+
+def main_real(args) -> None:
+    model_dir, train, val = real_inputs(args)
+    data = ["data=sft", f"data.paths=[{train}]", f"data.val_paths=[{val}]"]
+    rows = packed_rows_per_device(args, train, model_dir)
+    mixed = trl_packing_mixes_documents(model_dir, train)
+    print(f"benchmarks.bench_peer --mode sft --real: SmolLM2-135M-Instruct ({model_dir.name}), {args.chats} WordNet "
+          f"prompt-completion pairs, completion-only loss, seq_len {args.seq_len}, global batch {args.global_batch} "
+          f"pairs, TRL micro {args.micro} pairs (trl-pack: {rows} packed rows per device), ddptrain-best: {args.best}; "
+          f"{args.world_size} gloo ranks x {args.threads} thread(s), fp32, steps {args.log_every + 1}..{args.steps} "
+          f"timed; peak: rank 0's peak RSS", flush=True)
+    print(f"trl-pack keeps documents apart: {'yes' if mixed < 1e-4 else 'NO'} (largest logit difference between a "
+          f"packed row and its pairs alone: {mixed:.3g})", flush=True)
+    figures: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_peer_sft_real_") as tmp:
+        work = Path(tmp)
+        for finetune in args.finetune:
+            figures[finetune] = {name: [] for name in args.contenders}
+            lora = ("--lora-r", "16") if finetune == "lora" else ()
+            for round_index in range(args.rounds):
+                for name in args.contenders if round_index % 2 == 0 else args.contenders[::-1]:
+                    out = work / f"{finetune}-{name}-{round_index}"
+                    if name.startswith("ddptrain"):
+                        rate, _ = run_ddptrain(name, args, [*data, f"data.cache_dir={work / 'cache'}"], model_dir,
+                                               out, tuple(FINETUNES[finetune]))
+                        peak = peak_rss(out)
+                    else:
+                        packing = ("--packing",) if name == "trl-pack" else ()
+                        options = ("--loss", "completion", *lora, *packing)
+                        rate, _, result = run_trl(args, model_dir, train, out, options, micro=rows if packing else None)
+                        peak = result["peak_rss_bytes"]
+                    figures[finetune][name].append((rate, peak))
+                print(f"{finetune} round {round_index + 1}: " + ", ".join(
+                    f"{n} {figures[finetune][n][-1][0]:,.0f}" for n in args.contenders), flush=True)
+    report_real(figures)
+
+
+def report_real(figures: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
+    """Per fine-tuning mode: median valid targets/s and peak RSS of each contender, and both as ratios to
+    TRL's (per-round rate ratios, their median)."""
+    for finetune, contenders in figures.items():
+        print(f"\n{finetune}: {'contender':18}{'median tok/s':>14}{'peak MiB':>10}{'x trl tok/s':>13}"
+              f"{'x trl peak':>12}   per-round tok/s ratios")
+        trl = contenders["trl"]
+        for name, values in contenders.items():
+            rates = [rate for rate, _ in values]
+            ratios = [rate / peer for rate, (peer, _) in zip(rates, trl)]
+            peak = statistics.median(peak for _, peak in values)
+            print(f"{'':{len(finetune) + 2}}{name:18}{statistics.median(rates):14,.0f}{peak / 2**20:10,.0f}"
+                  f"{statistics.median(ratios):13.2f}{peak / statistics.median(p for _, p in trl):12.2f}   "
+                  + ", ".join(f"{ratio:.2f}" for ratio in ratios))

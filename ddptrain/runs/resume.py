@@ -37,6 +37,15 @@ files relative to their common directory, the tokenizer's and chat template's ha
 config.json, a LoRA base's weights), compared after the build: other content is refused there by
 name. A checkpoint without a fingerprint (an older ddptrain) refuses them here, as any other key."""
 
+SAME_SAMPLE_WHEN = {"batch.pack": ("data.name", "sft")}
+"""Keys that may change where another key has this value: packed conversations are the step's own
+conversations packed whole (ddptrain/data/packing.py), so packing them or not keeps the sample; a packed
+text stream draws other examples."""
+
+DEFAULTS_BEFORE = {"batch.pack": False}
+"""What a checkpoint written without the key (by an older ddptrain) trained with, where the default
+has since become one decided at start-up (null)."""
+
 SCHEDULE_KEYS = ("optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps",
                  "trainer.max_steps")
 
@@ -60,7 +69,7 @@ def config_changes(saved: dict, current: dict, defaults: dict) -> list[tuple[str
     old, new = flatten(saved), flatten(current)
     changes = []
     for key in sorted(set(old) | set(new)):
-        before = old.get(key, defaults.get(key))
+        before = old.get(key, DEFAULTS_BEFORE.get(key, defaults.get(key)))
         after = new.get(key, defaults.get(key))
         if before != after:
             changes.append((key, before, after))
@@ -72,6 +81,8 @@ def check_config(saved: dict, current: dict, defaults: dict, fingerprinted: bool
     `fingerprinted`: the checkpoint holds its inputs' fingerprint, so RELOCATABLE keys may change too."""
     changes = config_changes(saved, current, defaults)
     allowed = MAY_CHANGE + (RELOCATABLE if fingerprinted else ())
+    allowed += tuple(key for key, (decider, value) in SAME_SAMPLE_WHEN.items()
+                     if flatten(saved).get(decider) == value == flatten(current).get(decider))
     refused = [change for change in changes if not _may_change(change[0], allowed)]
     if refused:
         lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)

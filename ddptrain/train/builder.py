@@ -8,6 +8,7 @@ checkpointing, compile), then optimizer and schedule, then the engine under the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -18,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddptrain.config.layout import BatchLayout
+from ddptrain.config.layout import BatchLayout, default_packing
 from ddptrain.config.schema import ConfigError, TrainConfig
 from ddptrain.config.validation import strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
@@ -56,6 +57,16 @@ def resolve_tokenizer(cfg: TrainConfig) -> None:
     """data.tokenizer=null becomes the model kind's own tokenizer (model=hf's tokenizer.json), else bytes."""
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = adapter_for(cfg.model).default_tokenizer(cfg.model) or "byte"
+
+
+def resolve_layout(cfg: TrainConfig) -> str | None:
+    """batch.pack=null becomes this run's default (ddptrain.config.layout.default_packing); returns
+    why, for the start-up line, where it decided (None where batch.pack was set). Before the config
+    diff on resume: checkpoints hold the resolved config."""
+    if cfg.batch.pack is not None:
+        return None
+    cfg.batch.pack, reason = default_packing(cfg)
+    return reason
 
 
 def decay_steps(cfg: TrainConfig) -> int:
@@ -174,6 +185,8 @@ def validate_run(cfg: TrainConfig, world_size: int) -> int:
     """`validate` (the config's own rules), then the strategy's rules on its section (ZeRO: the
     DeepSpeed config ddptrain derives, against strategy.deepspeed); returns the accumulation steps.
     Both fail as a ConfigError before the process group or the run dir exists."""
+    cfg = copy.deepcopy(cfg)  # validated as it will run; the run resolves and says its own layout
+    resolve_layout(cfg)
     accumulation = validate(cfg, world_size)
     cfg.run.dir = os.path.expanduser(cfg.run.dir)  # as every other path key: '~/runs/x' is in the home directory
     try:
@@ -241,6 +254,9 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
     default to the run's; `prepare(model)` runs after the model is built and before the engine
     wraps it (verify turns dropout off and copies the initial weights there)."""
     resolve_tokenizer(cfg)
+    layout = resolve_layout(cfg)
+    if layout is not None:
+        log.info("layout: %s", layout)
     torch.manual_seed(cfg.run.seed)
     data = load_data(cfg, dist_info)
     batches = train_batches(cfg, data, dist_info)

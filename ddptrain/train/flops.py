@@ -16,7 +16,7 @@ twice forward (its logits are recomputed in backward): 6 * (N - head) per proces
 
 MFU = achieved model FLOP/s / (peak FLOP/s per device x devices). It counts the tokens a
 microbatch processes, padding included: the hardware computes them. Padding waste shows up
-separately as `padding_efficiency`.
+separately as `padding_efficiency` (and positions without a valid target as `valid_target_fraction`).
 """
 
 from __future__ import annotations

@@ -65,14 +65,23 @@ class ThroughputWindow:
         self._unread: list = []  # StepStats not read yet
         self.valid_tokens = 0
         self.processed_tokens = 0
+        self.real_positions = 0
+        self._real_unknown = False
         self.flops = 0.0
         self.seconds = dict.fromkeys(TIME_SPLIT, 0.0)
 
-    def add(self, stats, data_wait_s: float, shapes: list[tuple[int, int]]) -> None:
-        """One step; its token count is read at `summary` (a logging step), not now."""
+    def add(self, stats, data_wait_s: float, shapes: list[tuple[int, int]], real_positions: int | None = None) -> None:
+        """One step: (rows, padded width) of its microbatches and the positions that hold a token
+        (`real_positions`; None: every valid target's, as in pretraining). Its valid target count is
+        read at `summary` (a logging step), not now."""
         self.steps += 1
         self._unread.append(stats)
-        self.processed_tokens += sum(rows * width for rows, width in shapes)
+        processed = sum(rows * width for rows, width in shapes)
+        self.processed_tokens += processed
+        if real_positions is not None:
+            self.real_positions += real_positions
+        else:
+            self._real_unknown = True
         if self.model_flops is not None:
             self.flops += sum(self.model_flops.per_microbatch(rows, width) for rows, width in shapes)
         self.seconds["data_wait_s"] += data_wait_s
@@ -88,13 +97,16 @@ class ThroughputWindow:
         self._unread = []
         train_s = max(sum(self.seconds.values()), 1e-9)
         steps = max(self.steps, 1)
+        processed = self.processed_tokens
         flops_per_second = self.flops / train_s if self.model_flops is not None else None
         peak = self.peak_flops * self.world_size if self.peak_flops else None
         record = {
             "tokens_per_second": self.valid_tokens / train_s,
             "flops_per_second": flops_per_second,
             "mfu": flops_per_second / peak if peak and flops_per_second is not None else None,
-            "padding_efficiency": self.valid_tokens / self.processed_tokens if self.processed_tokens else None,
+            "padding_efficiency": (self.valid_tokens if self._real_unknown else self.real_positions) / processed
+            if processed else None,
+            "valid_target_fraction": self.valid_tokens / processed if processed else None,
             "step_time_s": train_s / steps,
             **{key: value / steps for key, value in self.seconds.items()},
         }
@@ -257,7 +269,7 @@ def _exit_code_of_current_exception() -> int:
 
 _FORMATS = (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
             ("tokens", "{:d}"), ("tokens_per_second", "{:,.0f}"), ("flops_per_second", "{:.3g}"), ("mfu", "{:.1%}"),
-            ("padding_efficiency", "{:.1%}"))
+            ("padding_efficiency", "{:.1%}"), ("valid_target_fraction", "{:.1%}"))
 
 
 def format_line(metrics: dict, step_suffix: str = "") -> str:

@@ -108,8 +108,11 @@ class Trainer:
         if self.dist.device.type == "cuda" and cfg.trainer.precision == "fp32":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls: fp32 runs use the tensor cores
         builder.resolve_tokenizer(cfg)  # before the config diff: checkpoints hold the resolved config
+        layout = builder.resolve_layout(cfg)
         saved = self.run_dir.saved_state()
         self.run_dir.write_run_files()
+        if layout is not None:
+            log.info("layout: %s", layout)  # into train.log too
         self._memory_baseline = peak_memory_bytes(self.dist.device)  # what the run's own memory is measured from
         self.built = builder.build(cfg, self.dist)
         log_equivalence_caveats(self.built.model)  # batch-dependent or stochastic modules: rank 0 warns once
@@ -186,7 +189,8 @@ class Trainer:
             if isinstance(error, dist.DistError) or any(word in str(error) for word in peer_words):
                 hint = f" (a dead or stuck peer fails the run after dist.timeout_s={self.cfg.dist.timeout_s}s)"
             raise RuntimeError(f"step {step} failed on rank {rank}: {error}{hint}") from error
-        self.metrics.window.add(stats, data_wait_s, self.train_batches.global_shapes(self.step))
+        self.metrics.window.add(stats, data_wait_s, self.train_batches.global_shapes(self.step),
+                                self.train_batches.global_positions(self.step))
         self.state.step = step
         self._unread.append((step, stats))
         return StepEnd(step, step == self.cfg.trainer.max_steps, stats, lr, counters=self._counters)

@@ -42,3 +42,37 @@ def test_gpt_defaults_are_declared_once():
     architecture = dataclasses.asdict(GPTConfig())
     assert {key: architecture[key] for key in defaults if key != "name"} == \
         {key: value for key, value in defaults.items() if key != "name"}
+
+
+@pytest.mark.parametrize("overrides, packed, why", [
+    (["data=sft"], True, "packed conversations (the default for data=sft)"),
+    (["data=sft", "batch.micro_size=2"], True, "packed conversations (the default for data=sft)"),
+    (["data=sft", "batch.pack=false"], False, None),
+    (["data=sft", "batch.micro_tokens=512"], False, "unpacked conversations under batch.micro_tokens"),
+    (["data=sft", "model=custom", "model._target_=tests.toy_models.make_conv_lm"], False,
+     "unpacked conversations: a model._target_ model packs"),
+    ([], False, "unpacked rows: data=stdlib packed would draw other examples"),
+    (["batch.pack=true"], True, None),
+])
+def test_batch_pack_null_packs_conversations_unless_a_layout_or_the_model_says_otherwise(overrides, packed, why):
+    from ddptrain.train.builder import resolve_layout
+
+    cfg = compose_config(overrides)
+    reason = resolve_layout(cfg)
+    assert cfg.batch.pack is packed
+    assert (reason is None) == (why is None) and (why is None or reason.startswith(why) or why in reason), reason
+    assert resolve_layout(cfg) is None, "decided once"
+
+
+def test_a_checkpoint_of_unpacked_conversations_resumes_packed_but_a_text_run_may_not_change_packing():
+    from ddptrain.runs.resume import check_config
+    from ddptrain.runs.store import CheckpointError
+
+    sft = {"data": {"name": "sft"}}
+    assert check_config({**sft, "batch": {"pack": False}}, {**sft, "batch": {"pack": True}}, {}) == \
+        [("batch.pack", False, True)]
+    text = {"data": {"name": "text"}}
+    with pytest.raises(CheckpointError, match=r"batch.pack: False -> True"):
+        check_config({**text, "batch": {"pack": False}}, {**text, "batch": {"pack": True}}, {})
+    # written before batch.pack existed: it trained unpacked, whatever the default is now
+    assert check_config(text, {**text, "batch": {"pack": False}}, {"batch.pack": None}) == []

@@ -641,10 +641,10 @@ def test_a_packed_microbatch_computes_the_unpacked_loss(tmp_path):
     assert math.isclose(packed_sum, plain_sum, rel_tol=1e-12)
 
 
-@pytest.mark.parametrize("layout", [["batch.micro_size=2"], ["batch.micro_tokens=128"],
+@pytest.mark.parametrize("layout", [["batch.micro_size=2", "batch.pack=false"], ["batch.micro_tokens=128"],
                                     ["batch.pack=true", "batch.micro_size=1"],
-                                    ["batch.pack=true", "batch.micro_size=1", "strategy=fsdp"]],
-                         ids=["accumulate", "budget", "packed", "packed_fsdp"])
+                                    ["batch.pack=true", "batch.micro_size=1", "strategy=fsdp"], []],
+                         ids=["accumulate", "budget", "packed", "packed_fsdp", "default"])
 def test_verify_agrees_with_one_unpacked_process_on_chats(tmp_path, layout):
     from ddptrain.verify import format_report, verify
 
@@ -726,20 +726,25 @@ def test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume(tmp_p
     val = write_jsonl(tmp_path / "val.jsonl", random_chats(8, seed=12))
     base = [*SFT_RUN, "model=hf", f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
             f"data.cache_dir={tmp_path / 'cache'}"]
-    layouts = {"1x8": (1, ["batch.micro_size=8"]), "2x2": (2, ["batch.micro_size=2"]),
+    layouts = {"1x8": (1, ["batch.micro_size=8", "batch.pack=false"]),
+               "2x2": (2, ["batch.micro_size=2", "batch.pack=false"]),
+               "default": (2, []),  # packed conversations; resumed from an unpacked run's checkpoint
                "2 ranks, budget": (2, [f"batch.micro_tokens={SEQ}"]),
                "packed": (1, ["batch.pack=true", "batch.micro_size=1"]),
                "2 ranks, packed, budget": (2, ["batch.pack=true", f"batch.micro_tokens={2 * SEQ}"])}
     curves, outputs = {}, {}
     for name, (ranks, options) in layouts.items():
         run_dir = tmp_path / name.replace(" ", "").replace(",", "_")
-        if name == "2x2":  # two steps, then a re-run with three resumes from the final checkpoint
-            first = run_cli([*base, *options, "trainer.max_steps=2", f"run.dir={run_dir}"], nproc=ranks)
+        if name in ("2x2", "default"):  # two steps, then a re-run with three resumes from the final checkpoint
+            unpacked = ["batch.pack=false", "batch.micro_size=2"] if name == "default" else options
+            first = run_cli([*base, *unpacked, "trainer.max_steps=2", f"run.dir={run_dir}"], nproc=ranks)
             assert first.returncode == 0, first.stderr[-3000:]
         result = run_cli([*base, *options, f"run.dir={run_dir}"], nproc=ranks)
         assert result.returncode == 0, result.stderr[-3000:]
         curves[name], outputs[name] = read_metrics(run_dir), result.stderr
-    assert "resumed from" in outputs["2x2"]
+    assert "resumed from" in outputs["2x2"] and "resumed from" in outputs["default"]
+    assert "layout: packed conversations (the default for data=sft)" in outputs["default"]
+    assert "batch.pack changed from False to True (applied)" in outputs["default"]
     reference = curves["1x8"]
     for name, curve in curves.items():
         assert [m["step"] for m in curve] == [1, 2, 3], name
@@ -851,3 +856,47 @@ def test_save_final_outside_a_run_writes_the_chat_files_of_the_data_it_is_given(
     assert (final / "chat_template.jinja").read_text() == MARKED
     assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == stops
     assert ddptrain.load_model(run_dir).eos_token_id == stops
+
+
+# -- the default layout and what padding means for chats -----------------------------------------
+
+
+@pytest.mark.parametrize("pack", [None, False], ids=["default", "unpacked"])
+def test_padding_efficiency_counts_masked_prompts_as_real_and_valid_targets_apart(tmp_path, pack):
+    """A chat run's metrics recounted from the step's own microbatches: real positions (prompt and
+    answer alike) / positions computed, and valid targets / positions computed, apart; the default
+    layout packs the conversations and says so at start-up."""
+    options = () if pack is None else (f"batch.pack={str(pack).lower()}",)
+    run_dir, directory, _ = _chat_run(tmp_path, False, "trainer.log_every=1", *options)
+    log = (run_dir / "train.log").read_text()
+    cfg = compose_config(["data=sft", f"data.paths=[{tmp_path / 'c.jsonl'}]",
+                          f"data.tokenizer={directory / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'cache'}",
+                          f"batch.seq_len={SEQ}", "batch.global_size=8", *options])
+    packed = pack is None
+    assert ("layout: packed conversations (the default for data=sft)" in log) == packed
+    batches = TrainBatches(load_splits(cfg.data, SEQ).train, 8, 8, 1234, rank=0, world_size=1, pack=packed,
+                           seq_len=SEQ)
+    for m in read_metrics(run_dir):
+        processed = real = valid = 0
+        step = m["step"] - 1
+        for ids, (inputs, targets) in zip(batches.microbatch_ids(step), batches.microbatches(step)):
+            processed += targets.numel()
+            # packed: padding is segment -1; unpacked: each row's own length, the rest is padding
+            real += int((inputs["segments"] >= 0).sum()) if packed else int((batches.examples.lengths[ids] - 1).sum())
+            valid += int((targets != IGNORE_INDEX).sum())
+        assert valid == m["tokens"]
+        assert m["padding_efficiency"] == pytest.approx(real / processed, rel=1e-12)
+        assert m["valid_target_fraction"] == pytest.approx(valid / processed, rel=1e-12)
+        assert m["valid_target_fraction"] < 0.7 * m["padding_efficiency"], "prompts are masked, not padding"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_step_of_few_short_conversations_still_gives_every_rank_a_packed_row(tmp_path, world_size):
+    """8 chats fit one row of 4 x SEQ positions; packed into that one row, all but one rank would wait."""
+    train = _load(tmp_path, random_chats(40, seed=13), seq_len=SEQ).train
+    for step in range(4):
+        ranks = [TrainBatches(train, 8, 8, seed=3, rank=rank, world_size=world_size, pack=True, seq_len=4 * SEQ)
+                 for rank in range(world_size)]
+        rows = [row for batches in ranks for micro in batches.microbatch_ids(step) for row in micro]
+        assert all(batches.microbatch_ids(step) for batches in ranks), step
+        assert sorted(np.concatenate(rows)) == sorted(ranks[0].plan.global_batch(step)), "the step's own, whole"
