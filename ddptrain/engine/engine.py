@@ -23,7 +23,6 @@ from ddptrain.config.choices import PRECISIONS, STEP_POLICIES
 from ddptrain.distributed import any_rank, get_rank, get_world_size, init_distributed, is_distributed
 from ddptrain.engine.loss_scale import DynamicLossScale
 from ddptrain.contract.outputs import logits_of
-from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.engine.objective import Objective
 from ddptrain.engine.stats import PhaseClock, StepStats
 from ddptrain.strategies import Strategy, build_strategy
@@ -121,7 +120,7 @@ class Engine:
             grad_norm, applied = self._finish(counts[0])
         loss_wait = self._start_loss_reduce(loss_sum)
         stats = StepStats(tokens=counts[0], grad_norm=grad_norm, skipped=~applied, loss_sum=loss_sum, wait=loss_wait,
-                          filler_microbatches=fillers)
+                          filler_microbatches=fillers, metric_names=self.objective.metric_names)
         if self.nonfinite == "stop" and stats.skipped and stats.tokens:
             raise FloatingPointError(f"non-finite gradient norm {stats.grad_norm} (loss {stats.loss}); nonfinite='stop'")
         return clock.stamp(stats)
@@ -142,8 +141,8 @@ class Engine:
         else:
             fillers = missing = 0 if microbatches else 1
         if fillers:
-            template = microbatches[0] if microbatches else self._template or _TOKEN_IDS
-            microbatches = microbatches + [_filler(*template)] * fillers
+            inputs, targets = microbatches[0] if microbatches else self._template or _TOKEN_IDS
+            microbatches = microbatches + [(filler_inputs(inputs), self.objective.filler(targets))] * fillers
         self._template = microbatches[0]
         return microbatches, missing
 
@@ -151,15 +150,17 @@ class Engine:
                           clock: PhaseClock) -> torch.Tensor:
         """Backward of each microbatch's objective sum / N_t, non-final ones without gradient sync;
         returns this rank's loss sum. N_t = 0 backpropagates zeros and the update is masked."""
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # The objective's sums: the loss's, then any metrics' (DPO's rewards), all divided by the same count.
+        loss_sum = torch.zeros(self.objective.sums, dtype=torch.float64, device=self.device)
         for index, (inputs, targets) in enumerate(microbatches):
             with self.strategy.microbatch_context(is_last=index == len(microbatches) - 1):
-                piece = self._forward(inputs, targets)
+                sums = self._forward(inputs, targets)
                 if index == 0:  # the count's all-reduce overlapped the first forward; backward needs N_t
                     with clock.phase("comm"):
                         wait_for_counts()
                     denominator = global_tokens.clamp_min(1)
-                loss_sum += piece.detach().double()
+                loss_sum += sums.detach().double()
+                piece = sums.reshape(-1)[0]
                 piece = piece / denominator.to(piece.dtype)
                 self.strategy.backward(self.loss_scale.scaled(piece) if self.loss_scale is not None else piece)
         return loss_sum
@@ -191,14 +192,14 @@ class Engine:
             inputs = {k: v.to(self.device, non_blocking=non_blocking) for k, v in inputs.items()}
         else:
             inputs = inputs.to(self.device, non_blocking=non_blocking)
-        return inputs, targets.to(self.device, non_blocking=non_blocking)
+        return inputs, targets.to(self.device, non_blocking=non_blocking)  # a tensor, or the objective's (pairs)
 
     def _count_tokens(self, microbatches: list[Microbatch]):
         """Start the all-reduce of [valid tokens, microbatches of each rank] (one small SUM);
         return (tensor, wait)."""
         local = torch.zeros(1 + get_world_size(), dtype=torch.int64, device=self.device)
         for _, targets in microbatches:
-            local[0] += (targets != IGNORE_INDEX).sum()
+            local[0] += self.objective.count(targets)  # valid targets, or pairs (the objective says)
         # fill_, not `local[i] = n`: item assignment copies n from the host, a sync on CUDA
         local.narrow(0, 1 + get_rank(), 1).fill_(len(microbatches))
         if not is_distributed():
@@ -284,12 +285,11 @@ _TOKEN_IDS = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch
 """A filler's shape when this rank has seen no microbatch yet: one token id."""
 
 
-def _filler(inputs, targets: torch.Tensor) -> Microbatch:
-    """The smallest microbatch shaped like a real one: one token, its target ignored. Its forward and
-    backward run every collective of the strategy and add nothing to the loss or the gradient."""
+def filler_inputs(inputs):
+    """The smallest inputs shaped like a real microbatch's: one token, whose target the objective's
+    filler ignores. Its forward and backward run every collective of the strategy and add nothing to
+    the loss or the gradient."""
     if isinstance(inputs, dict):
-        inputs = {key: value[:1, :1] for key, value in inputs.items()}
-    else:
-        inputs = inputs[:1, :1]
-    return inputs, torch.full_like(targets[:1, :1], IGNORE_INDEX)
+        return {key: value[:1, :1] for key, value in inputs.items()}
+    return inputs[:1, :1]
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ddptrain.contract.pairs import PairTargets
 from ddptrain.contract.targets import IGNORE_INDEX
@@ -113,6 +115,49 @@ class DPOObjective:
                                (chosen > rejected).double().sum()])
         return torch.cat([losses.sum().reshape(1), metrics])
 
-    def microbatch_sums(self, logits: torch.Tensor, pairs: PairTargets) -> torch.Tensor:
-        """pair_sums from the policy's (B, T, V) logits."""
+    sums = 1 + len(METRICS)
+    """How many sums a microbatch gives (the Engine all-reduces them with the loss's)."""
+
+    def filler(self, pairs: PairTargets) -> PairTargets:
+        return PairTargets.empty(pairs)
+
+    def token_sum(self, logits: torch.Tensor, pairs: PairTargets) -> torch.Tensor:
+        """pair_sums from the policy's (B, T, V) logits: the Engine's name for a microbatch's sums."""
         return self.pair_sums(sequence_logps(logits, pairs), pairs)
+
+    def head_loss(self, pairs: PairTargets, chunk_tokens: int) -> "PairHeadLoss":
+        """The head-loss callable (ddptrain/contract/outputs.py) giving pair_sums without the (B, T, V) logits."""
+        return PairHeadLoss(pairs, self, chunk_tokens)
+
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+
+
+def head_sequence_logps(hidden: torch.Tensor, head: Head, pairs: PairTargets, chunk_tokens: int) -> torch.Tensor:
+    """sequence_logps(head(hidden), pairs) from the last hidden states (B, T, D): the head runs on the valid
+    targets only, chunk_tokens rows at a time, each chunk's logits recomputed in backward (as
+    ddptrain/engine/chunked.py does for token sums): no (B, T, V) tensor."""
+    flat_targets = pairs.tokens.reshape(-1)
+    valid = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
+    valid_hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, valid)  # (N_valid, D)
+    valid_targets = flat_targets.index_select(0, valid)
+    pieces = [checkpoint(_head_logps, h, head, t, use_reentrant=False) if torch.is_grad_enabled() else
+              _head_logps(h, head, t) for h, t in zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))]
+    logps = torch.cat(pieces) if pieces else valid_hidden.new_zeros(0)
+    return sum_by_sequence(logps, pairs.sequences.reshape(-1).index_select(0, valid), pairs.count)
+
+
+def _head_logps(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor) -> torch.Tensor:
+    return token_logps(head(hidden_chunk), target_chunk)  # (C, V) logits alive only in here
+
+
+class PairHeadLoss:
+    """head_loss(hidden, head) for pairs: the objective's pair sums (objective None: the sequences'
+    log-probs, for the reference). A plain class: wrappers (DDP) pass it on as it is."""
+
+    def __init__(self, pairs: PairTargets, objective: DPOObjective | None, chunk_tokens: int = 1024):
+        self.pairs, self.objective, self.chunk_tokens = pairs, objective, chunk_tokens
+
+    def __call__(self, hidden: torch.Tensor, head: Head) -> torch.Tensor:
+        logps = head_sequence_logps(hidden, head, self.pairs, self.chunk_tokens)
+        return logps if self.objective is None else self.objective.pair_sums(logps, self.pairs)

@@ -1,0 +1,85 @@
+"""DPO's reference model: each sequence's log-probability under it, computed just before the step.
+
+The objective (ddptrain/engine/preference.py) reads the reference log-probs from the microbatch's
+PairTargets; this fills them in, without gradients, for every microbatch of the step:
+
+- LoRA (model.lora.r > 0): the policy itself with its adapter disabled (peft's `disable_adapter`),
+  called through the strategy's wrapper: the frozen base weights, no second copy in memory.
+- full fine-tuning: a frozen copy of the initial weights, taken before the strategy wraps the
+  policy, on every rank (ddp, zero1, zero2 replicate the weights too: the copy costs what one more
+  replica of the weights costs; under fsdp and zero3 it is not sharded, see docs/preference.md).
+
+The log-probs are those of the engine's forward (its precision and autocast), in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ddptrain.contract.outputs import logits_of
+from ddptrain.contract.pairs import PairTargets
+from ddptrain.engine.engine import AUTOCAST, Engine, filler_inputs
+from ddptrain.engine.preference import sequence_logps
+from ddptrain.models.lora import is_adapted
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s current weights that never trains (the full fine-tune's reference)."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+class Reference:
+    """Fills PairTargets.reference of microbatches: the adapter-disabled policy (`frozen` None) or a frozen copy.
+
+    It calls the module itself, not the strategy's wrapper: DDP would broadcast buffers in a forward
+    (a collective that ranks with different numbers of microbatches would not all reach)."""
+
+    def __init__(self, engine: Engine, policy: nn.Module, frozen: nn.Module | None = None):
+        if frozen is None and not is_adapted(policy):
+            raise ValueError(f"{type(policy).__name__} has no LoRA adapter to disable: give a frozen copy of the "
+                             "initial weights as the reference (full fine-tuning)")
+        self.engine = engine
+        self.model = policy if frozen is None else frozen.to(device=engine.device)
+        if frozen is not None and engine.precision == "fp64":
+            self.model = self.model.to(dtype=torch.float64)
+        self.disables_adapter = frozen is None
+
+    @torch.no_grad()
+    def logps(self, inputs, pairs: PairTargets) -> torch.Tensor:
+        """(S,) float64: each sequence's summed target log-probs under the reference."""
+        precision, device = self.engine.precision, self.engine.device
+        autocast = (torch.autocast(device.type, dtype=AUTOCAST[precision]) if precision in AUTOCAST
+                    else contextlib.nullcontext())
+        adapter = self.model.disable_adapter() if self.disables_adapter else contextlib.nullcontext()
+        with adapter, autocast:
+            output = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
+        return sequence_logps(logits_of(output), pairs).double()
+
+    def fill(self, microbatches: Sequence[tuple], max_microbatches: int | None = None) -> list[tuple]:
+        """The microbatches with their reference log-probs, computed on the engine's device. Where the
+        strategy communicates in every forward (fsdp, zero3), a rank with fewer microbatches runs
+        filler forwards up to `max_microbatches`, so that every rank joins every collective."""
+        filled = []
+        device = self.engine.device
+        for inputs, pairs in microbatches:
+            if pairs.reference is None:
+                pairs = pairs.with_reference(self.logps(_on(device, inputs), pairs.to(device)))
+            filled.append((inputs, pairs))
+        if self.engine.strategy.communicates_every_microbatch and max_microbatches and filled:
+            inputs, pairs = filled[0]
+            for _ in range(max_microbatches - len(filled)):
+                self.logps(_on(device, filler_inputs(inputs)), PairTargets.empty(pairs.to(device)))
+        return filled
+
+
+def _on(device: torch.device, inputs):
+    if isinstance(inputs, dict):
+        return {key: value.to(device) for key, value in inputs.items()}
+    return inputs.to(device)
