@@ -9,6 +9,9 @@ import types
 import pytest
 
 from ddptrain.config import DataConfig
+from ddptrain.config.compose import compose_config
+from ddptrain.config.schema import ConfigError
+from ddptrain.config.validation import validate
 from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.data import DataError, TrainBatches, load_splits
 from ddptrain.data.preference import PreferencePairs
@@ -171,11 +174,11 @@ def test_identical_completions_and_pairs_without_targets_are_skipped_counted_and
     assert f"skipped 1 pair(s) with a completion left without any target after truncation, e.g. {path}:6" in caplog.text
 
 
-def test_the_byte_tokenizer_is_refused(tmp_path):
-    from ddptrain.data.chat import ChatTokenizer
-
-    with pytest.raises(DataError, match="needs a real tokenizer with an EOS token, not the byte tokenizer"):
-        ChatTokenizer("byte")
+def test_the_byte_tokenizer_is_refused():
+    cfg = compose_config(["data=preference", "objective=dpo", "data.paths=[p.jsonl]", "data.tokenizer=byte"])
+    with pytest.raises(ConfigError, match="data=preference needs a real tokenizer with an EOS token and a chat "
+                                          "template, not data.tokenizer=byte"):
+        validate(cfg, 1)
 
 
 # -- layouts ------------------------------------------------------------------------------------
