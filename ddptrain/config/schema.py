@@ -52,6 +52,10 @@ class TrainerConfig:
     """Recompute each transformer block in backward instead of keeping its activations (less memory, more compute)."""
     attention: str = "auto"
     """Packed rows' per-document attention: auto | gather | varlen | flex | mask (ddptrain/models/attention.py)."""
+    chunked_head: bool = True
+    """Output head + loss on the valid targets only, in chunks, no (B, T, V) logits, where the model can (docs/models.md)."""
+    head_chunk_tokens: int = 1024
+    """Rows per chunk of the chunked head: its logits are head_chunk_tokens x vocabulary at a time."""
 
 
 @dataclass

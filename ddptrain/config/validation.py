@@ -70,8 +70,8 @@ _READ_ONLY_WHEN = (
 does): a key set away from its default where the run never reads it is refused, not ignored."""
 
 _POSITIVE = (
-    "trainer.max_steps", "trainer.log_every", "trainer.eval_examples", "batch.global_size", "batch.micro_size",
-    "batch.seq_len", "dist.timeout_s",
+    "trainer.max_steps", "trainer.log_every", "trainer.eval_examples", "trainer.head_chunk_tokens",
+    "batch.global_size", "batch.micro_size", "batch.seq_len", "dist.timeout_s",
 )
 
 

@@ -34,26 +34,29 @@ Head = Callable[[torch.Tensor], torch.Tensor]
 
 
 def head_token_sum(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objective: Objective | None = None,
-                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS, valid_positions: torch.Tensor | None = None) -> torch.Tensor:
     """objective.token_sum(head(hidden), targets), without ever holding more than one chunk's logits.
 
     hidden: (..., D), the last hidden states; targets: (...), -100 where ignored; head: any callable
     from (N, D) to (N, V) logits (an nn.Linear, a tied embedding's weight in F.linear, a LoRA-wrapped
     Linear); objective: None for plain cross-entropy. The sum is in at least float32, as
-    Objective.token_sum's (bf16 or fp16 logits are upcast per chunk).
+    Objective.token_sum's (bf16 or fp16 logits are upcast per chunk). `valid_positions`: the flat
+    indices of the valid targets (`valid_positions_of(targets)`), computed where the targets were
+    made (on the host): then nothing here waits for the device.
     """
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens {chunk_tokens!r} must be a positive int")
+    check_chunk_tokens(chunk_tokens)
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden states of shape {tuple(hidden.shape)} must be the targets' shape "
                          f"{tuple(targets.shape)} plus one hidden dimension")
     objective = objective if objective is not None else Objective()
     flat_targets = targets.reshape(-1)
-    is_valid = flat_targets != IGNORE_INDEX
-    # Boolean indexing learns N_valid on the host (one device sync per call on CUDA): the price of
-    # running the head on valid rows only, and of chunks whose shapes are known.
-    valid_hidden = hidden.reshape(-1, hidden.size(-1))[is_valid]  # (N_valid, D)
-    valid_targets = flat_targets[is_valid]  # (N_valid,)
+    if valid_positions is None:
+        # Finding them on the device tells the host N_valid (one sync on CUDA): the price of running
+        # the head on valid rows only, in chunks whose shapes are known.
+        valid_positions = valid_positions_of(flat_targets)
+    valid_positions = valid_positions.to(hidden.device, non_blocking=True)
+    valid_hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, valid_positions)  # (N_valid, D)
+    valid_targets = flat_targets.index_select(0, valid_positions)  # (N_valid,)
     # With no valid target, split gives one empty chunk: head + objective on 0 rows is 0, and its
     # graph still reaches the head's parameters.
     pieces = [
@@ -61,6 +64,33 @@ def head_token_sum(hidden: torch.Tensor, head: Head, targets: torch.Tensor, obje
         for hidden_chunk, target_chunk in zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))
     ]
     return pieces[0] if len(pieces) == 1 else torch.stack(pieces).sum()
+
+
+def check_chunk_tokens(chunk_tokens) -> int:
+    """`chunk_tokens` if it is a positive int, else a ValueError naming it and the rule."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens {chunk_tokens!r} must be a positive int")
+    return int(chunk_tokens)
+
+
+def valid_positions_of(targets: torch.Tensor) -> torch.Tensor:
+    """Flat indices (int64) of the targets that are not IGNORE_INDEX."""
+    return (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+class HeadLoss:
+    """The engine's side of the head-loss protocol (ddptrain/contract/outputs.py): called by the
+    model with its last hidden states and its head, it returns head_token_sum over `targets`.
+    A plain class, not a dataclass: wrappers that move a forward's arguments to the device (DDP)
+    pass it on as it is."""
+
+    def __init__(self, targets: torch.Tensor, objective: Objective | None = None,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, valid_positions: torch.Tensor | None = None):
+        self.targets, self.objective = targets, objective
+        self.chunk_tokens, self.valid_positions = chunk_tokens, valid_positions
+
+    def __call__(self, hidden: torch.Tensor, head: Head) -> torch.Tensor:
+        return head_token_sum(hidden, head, self.targets, self.objective, self.chunk_tokens, self.valid_positions)
 
 
 def _chunk_sum(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,

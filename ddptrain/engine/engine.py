@@ -22,7 +22,9 @@ from torch import nn
 from ddptrain.config.choices import PRECISIONS, STEP_POLICIES
 from ddptrain.distributed import any_rank, get_rank, get_world_size, init_distributed, is_distributed
 from ddptrain.engine.loss_scale import DynamicLossScale
-from ddptrain.contract.outputs import logits_of
+from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
+from ddptrain.contract.pairs import PairTargets
+from ddptrain.engine.chunked import DEFAULT_CHUNK_TOKENS, HeadLoss, check_chunk_tokens, valid_positions_of
 from ddptrain.engine.objective import Objective
 from ddptrain.engine.stats import PhaseClock, StepStats
 from ddptrain.strategies import Strategy, build_strategy
@@ -55,6 +57,10 @@ class Engine:
         save_frozen: False: `save` leaves out the parameters that do not train (requires_grad
             False), which the model's build restores (a LoRA base): the trained ones and the
             optimizer state only; `load` then expects them absent.
+        chunked_head: where the model follows the head-loss protocol (ddptrain/contract/outputs.py),
+            compute head + objective on the valid targets only, `head_chunk_tokens` rows at a time
+            (ddptrain/engine/chunked.py): the same sums without the (B, T, V) logits. False, or a
+            model without the protocol: the objective on the full logits.
     """
 
     def __init__(
@@ -71,6 +77,8 @@ class Engine:
         strategy_options: dict | None = None,
         objective: Objective | None = None,
         save_frozen: bool = True,
+        chunked_head: bool = True,
+        head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -84,6 +92,8 @@ class Engine:
         self.nonfinite = nonfinite
         self.lr_scheduler = lr_scheduler
         self.objective = objective if objective is not None else Objective()
+        self.head_chunk_tokens = check_chunk_tokens(head_chunk_tokens)
+        self.chunked_head = bool(chunked_head) and takes_head_loss(model)  # asked of the model before any wrapper
         if precision == "fp64":
             model = model.to(dtype=torch.float64)
         model = model.to(self.device)
@@ -112,10 +122,12 @@ class Engine:
         holds this step: the trainer knows it from the global layout).
         """
         clock = PhaseClock()
+        positions = [self._valid_positions(targets) for _, targets in microbatches]
         microbatches = [self._to_device(inputs, targets) for inputs, targets in microbatches]
         counts, wait_for_counts = self._count_tokens(microbatches)
         microbatches, fillers = self._with_fillers(microbatches, counts, wait_for_counts, max_microbatches, clock)
-        loss_sum = self._forward_backward(microbatches, counts[0], wait_for_counts, clock)
+        positions += [_NO_POSITIONS] * (len(microbatches) - len(positions))  # fillers: no valid target
+        loss_sum = self._forward_backward(microbatches, positions, counts[0], wait_for_counts, clock)
         with clock.phase("optimizer"):
             grad_norm, applied = self._finish(counts[0])
         loss_wait = self._start_loss_reduce(loss_sum)
@@ -146,15 +158,15 @@ class Engine:
         self._template = microbatches[0]
         return microbatches, missing
 
-    def _forward_backward(self, microbatches: list[Microbatch], global_tokens: torch.Tensor, wait_for_counts,
-                          clock: PhaseClock) -> torch.Tensor:
+    def _forward_backward(self, microbatches: list[Microbatch], positions: list[torch.Tensor | None],
+                          global_tokens: torch.Tensor, wait_for_counts, clock: PhaseClock) -> torch.Tensor:
         """Backward of each microbatch's objective sum / N_t, non-final ones without gradient sync;
         returns this rank's loss sum. N_t = 0 backpropagates zeros and the update is masked."""
         # The objective's sums: the loss's, then any metrics' (DPO's rewards), all divided by the same count.
         loss_sum = torch.zeros(self.objective.sums, dtype=torch.float64, device=self.device)
-        for index, (inputs, targets) in enumerate(microbatches):
+        for index, ((inputs, targets), valid) in enumerate(zip(microbatches, positions)):
             with self.strategy.microbatch_context(is_last=index == len(microbatches) - 1):
-                sums = self._forward(inputs, targets)
+                sums = self.token_sum(inputs, targets, valid_positions=valid)
                 if index == 0:  # the count's all-reduce overlapped the first forward; backward needs N_t
                     with clock.phase("comm"):
                         wait_for_counts()
@@ -186,6 +198,26 @@ class Engine:
             return None
         return dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, async_op=True).wait
 
+    def _chunk_tokens(self, targets: torch.Tensor) -> int:
+        """head_chunk_tokens; one chunk of the whole microbatch where each head call is a collective
+        (ZeRO-3: ranks hold different counts of valid targets, so chunks of a fixed size would make
+        different counts of gathers): the head still runs on valid targets only."""
+        return max(targets.numel(), 1) if self.strategy.gathers_per_module_call else self.head_chunk_tokens
+
+    def _valid_positions(self, targets: torch.Tensor | PairTargets) -> torch.Tensor | None:
+        """Where the targets are valid, found where they were made (the host, for the trainer's
+        batches: no device sync), for the chunked head; None without it, and for pairs, whose
+        objective finds them itself."""
+        return valid_positions_of(targets) if self.chunked_head and not isinstance(targets, PairTargets) else None
+
+    def _head_loss(self, targets: torch.Tensor | PairTargets, objective, valid_positions: torch.Tensor | None):
+        """The head-loss callable of one microbatch: head + objective on its valid targets. Pairs'
+        objectives are not sums over tokens (a pair's loss is a function of its sequences' sums), so
+        they bring their own (DPOObjective.head_loss)."""
+        if isinstance(targets, PairTargets):
+            return objective.head_loss(targets, self._chunk_tokens(targets.tokens))
+        return HeadLoss(targets, objective, self._chunk_tokens(targets), valid_positions)
+
     def _to_device(self, inputs, targets: torch.Tensor) -> Microbatch:
         non_blocking = self.device.type == "cuda"
         if isinstance(inputs, dict):
@@ -212,17 +244,31 @@ class Engine:
 
         `inputs` is a tensor, or a dict of tensors passed to the model as keyword arguments."""
         if self.precision not in AUTOCAST:
-            return self._call_model(inputs)
+            return logits_of(self._call_model(inputs))  # logits, or a transformers ModelOutput's .logits
         with torch.autocast(self.device.type, dtype=AUTOCAST[self.precision]):
-            return self._call_model(inputs)
+            return logits_of(self._call_model(inputs))
 
-    def _call_model(self, inputs) -> torch.Tensor:
+    def _call_model(self, inputs, **keywords) -> torch.Tensor:
         # A dict of tensors (packed rows: idx, positions, segments) goes in as keyword arguments.
-        output = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
-        return logits_of(output)  # logits, or a transformers ModelOutput's .logits
+        if isinstance(inputs, dict):
+            return self.model(**inputs, **keywords)
+        return self.model(inputs, **keywords)
 
-    def _forward(self, inputs, targets: torch.Tensor) -> torch.Tensor:
-        return self.objective.token_sum(self.forward(inputs), targets)
+    def token_sum(self, inputs, targets: torch.Tensor | PairTargets, objective: Objective | None = None,
+                  valid_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum of `objective` (default: the engine's) over one microbatch's valid targets, under
+        this engine's precision, with the graph for backward where grad is enabled. With the chunked
+        head, the model gives its hidden states and head and no (B, T, V) logits are made;
+        `valid_positions` (valid_positions_of(targets)), when known, spares a device sync. An
+        objective of pairs (DPO) gives its sums over the microbatch's pairs: (loss, metrics...)."""
+        objective = objective if objective is not None else self.objective
+        if not self.chunked_head:
+            return objective.token_sum(self.forward(inputs), targets)
+        head_loss = self._head_loss(targets, objective, valid_positions)
+        if self.precision not in AUTOCAST:
+            return self._call_model(inputs, **{HEAD_LOSS: head_loss})
+        with torch.autocast(self.device.type, dtype=AUTOCAST[self.precision]):
+            return self._call_model(inputs, **{HEAD_LOSS: head_loss})
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -282,6 +328,8 @@ class Engine:
 
 
 _TOKEN_IDS = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+_NO_POSITIONS = torch.zeros(0, dtype=torch.long)
+"""A filler's valid positions: none."""
 """A filler's shape when this rank has seen no microbatch yet: one token id."""
 
 

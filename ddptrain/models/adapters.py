@@ -33,6 +33,7 @@ from ddptrain.models import hf  # imports no transformers by itself: only its fu
 from ddptrain.models import lora  # nor peft
 from ddptrain.models.gpt import GPT, GPTConfig
 from ddptrain.models.kernel_check import GENERIC_LAYOUT, HeadLayout, TokenMajor
+from ddptrain.contract.outputs import takes_head_loss
 from ddptrain.models.spec import (ModelError, ModelSpec, accepts_packed_rows, check_packed_isolation, class_path,
                                   tied_parameters)
 
@@ -87,6 +88,14 @@ class ModelAdapter:
             model.register_forward_pre_hook(_documents_through, with_kwargs=True)
         model.packed_attention = backend
         return backend
+
+    def use_head_loss(self, model: nn.Module) -> str | None:
+        """Let `model` follow the head-loss protocol (ddptrain/contract/outputs.py) for the chunked
+        head; returns why it cannot (None: it does). The built-in GPT does; a `_target_` model does
+        when its forward takes head_loss=."""
+        if takes_head_loss(model):
+            return None
+        return f"{type(model).__name__}.forward takes no head_loss= (the head-loss protocol: docs/models.md)"
 
     def head_layout(self, model: nn.Module) -> HeadLayout:
         """The heads its attention layers call the packed-attention kernel with, for the start-up
@@ -197,6 +206,7 @@ class HFAdapter(ModelAdapter):
             base_weights = lora.fingerprint(module) if weights else None
             module = lora.wrap(module, config["lora"], config["path"])
             hf.take_packed_rows(module)
+        hf.give_head_loss(module)  # checked by use_head_loss before training (the plan builds on the meta device)
         spec = ModelSpec(kind=self.kind, config=config, vocab_size=vocab_size, max_seq_len=seq_len,
                          class_name=class_path(module), hf_config=hf_config, tied=tied_parameters(module),
                          base_weights=base_weights)
@@ -229,6 +239,16 @@ class HFAdapter(ModelAdapter):
 
     def head_layout(self, model: nn.Module) -> HeadLayout:
         return hf.head_layout(model)
+
+    def use_head_loss(self, model: nn.Module) -> str | None:
+        """The decoder's hidden states and get_output_embeddings(), where one probe forward shows
+        that the head alone gives the logits (ddptrain.models.hf.head_loss_problem)."""
+        if not takes_head_loss(model) and not hf.give_head_loss(model):
+            return f"{type(model).__name__} has no separate decoder and output embeddings"
+        problem = hf.head_loss_problem(model)
+        if problem is not None:
+            hf.take_back_head_loss(model)
+        return problem
 
     def check_model(self, model: nn.Module, model_cfg: Mapping, seq_len: int, pack: bool) -> None:
         if pack:

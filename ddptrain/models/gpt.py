@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ddptrain.config.schema import GPTModelConfig
 from ddptrain.contract.boundaries import DocumentBoundaries
+from ddptrain.contract.outputs import HeadLossFn
 from ddptrain.models import attention
 
 
@@ -111,10 +112,12 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
-                segments: torch.Tensor | None = None, documents: DocumentBoundaries | None = None) -> torch.Tensor:
+                segments: torch.Tensor | None = None, documents: DocumentBoundaries | None = None,
+                head_loss: HeadLossFn | None = None) -> torch.Tensor:
         """Logits (B, T, V). Packed rows pass `positions` (restarting per document) and either the
         document boundaries that collation computed or only `segments` (a document id per token):
-        attention then stays inside each document."""
+        attention then stays inside each document. `head_loss`: return head_loss(hidden, head)
+        instead (the head-loss protocol, ddptrain/contract/outputs.py)."""
         seq = idx.size(1)
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
@@ -132,6 +135,8 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, documents, use_reentrant=False)
             else:
                 x = block(x, documents)
+        if head_loss is not None:
+            return head_loss(self.ln_f(x), self.head)
         return self.head(self.ln_f(x))  # (B, T, V)
 
     def num_parameters(self) -> int:

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import types
 from pathlib import Path
 
 import torch
@@ -172,6 +173,74 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         what = ", ".join(unsupported) if unsupported else "non-causal attention"
         raise attention.AttentionError(f"ddptrain's packed attention does not implement {what}")
     return attention.attend(query, key, value, documents, scaling, dropout, sliding_window), None
+
+
+def give_head_loss(model: nn.Module) -> bool:
+    """Let `model` (a transformers causal LM, or a peft model around one) follow the head-loss
+    protocol (ddptrain/contract/outputs.py): with `head_loss=`, its forward runs the decoder
+    (`base_model`) and hands the last hidden states and `get_output_embeddings()` (tied or not, LoRA
+    on it or not) to head_loss, instead of making logits. Installed as a method bound to the model
+    instance (a deep copy rebinds it to the copy); a forward without head_loss is the class's own.
+    False where the architecture has no separate decoder and output layer. Whether the head alone
+    gives the logits (no soft-capping or scaling after it) is `head_loss_problem`'s to say."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base.base_model is base or base.get_output_embeddings() is None:
+        return False
+    base.forward = types.MethodType(_forward_with_head_loss, base)
+    if model is not base:
+        model.passes_head_loss = True  # peft's forward passes unknown keyword arguments on to the base
+    return True
+
+
+def take_back_head_loss(model: nn.Module) -> None:
+    """Undo `give_head_loss`: the forward is the class's own again."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.__dict__.pop("forward", None)
+    model.__dict__.pop("passes_head_loss", None)
+
+
+def _forward_with_head_loss(self: nn.Module, *args, head_loss=None, **kwargs):
+    if head_loss is None:
+        return type(self).forward(self, *args, **kwargs)
+    if kwargs.pop("labels", None) is not None:
+        raise ValueError("head_loss= computes the loss: pass no labels= beside it")
+    kwargs.pop("logits_to_keep", None)
+    hidden = self.base_model(*args, **kwargs)[0]  # last_hidden_state, after the final norm
+    return head_loss(hidden, self.get_output_embeddings())
+
+
+def head_loss_problem(model: nn.Module) -> str | None:
+    """Why the head-loss path of `model` (`give_head_loss`) would not compute its logits (a
+    soft-capping or scaling after the head, a decoder that returns something else); None if it
+    does. One small forward on CPU of both paths, compared."""
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+    device = next(model.parameters()).device
+    try:
+        with _probing(model):
+            full = model(ids.to(device)).logits
+            headed = model(ids.to(device), head_loss=lambda hidden, head: head(hidden))
+    except Exception as error:  # noqa: BLE001 - an architecture whose decoder cannot be called alone
+        return f"the decoder alone fails: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if not isinstance(headed, torch.Tensor) or headed.shape != full.shape:
+        return f"the head on the decoder's output gives {getattr(headed, 'shape', type(headed))}, not the logits"
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    scaled = {name: getattr(config, name) for name, neutral in LOGIT_TRANSFORMS.items()
+              if getattr(config, name, neutral) not in (neutral, None)}
+    if scaled:
+        return f"the model transforms its logits after the head ({', '.join(f'{k}={v}' for k, v in scaled.items())})"
+    # The same operations on the same tensor: equal bit for bit, unless something follows the head
+    # (with small random logits a soft-capping differs by little, so nothing but 0 passes).
+    difference = float((headed.double() - full.double()).abs().max())
+    if difference != 0:
+        return f"the head on the decoder's output differs from the logits by {difference:.3g} (the model " \
+               "transforms its logits after the head)"
+    return None
+
+
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+"""transformers config keys of what some architectures do to the logits after the head (Gemma 2 and 3's
+soft-capping, Cohere's scale, Granite's divisor), with the value that does nothing."""
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

@@ -46,6 +46,11 @@ class Strategy(abc.ABC):
     communicates_every_microbatch: ClassVar[bool] = False
     """True when every microbatch's forward or backward is a collective (parameter gathers,
     gradient reduce-scatters): ranks with fewer microbatches then run filler microbatches."""
+    gathers_per_module_call: ClassVar[bool] = False
+    """True when each call of a module gathers its weights (a collective): every rank must then call
+    the output head as often as the others, so the chunked head runs the valid targets of a
+    microbatch in one chunk (the count of valid targets differs between ranks, the count of
+    microbatches does not)."""
     supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
 
     @dataclass

@@ -111,6 +111,13 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None =
     if trainable < total:  # model.lora: only the adapter trains
         log.info("model: %d of %d parameters train (%.3g%%); checkpoints and final/ hold %s", trainable, total,
                  100 * trainable / total, "those alone" if not adapter.saves_frozen_weights(spec) else "all")
+    if cfg.trainer.chunked_head:
+        why_not = adapter.use_head_loss(model)
+        if why_not is None:
+            log.info("loss: the output head and the objective on the valid targets only, %d rows at a time "
+                     "(trainer.chunked_head): no (B, T, V) logits", cfg.trainer.head_chunk_tokens)
+        else:
+            log.info("loss: on the full logits (trainer.chunked_head=true, but %s)", why_not)
     if cfg.trainer.activation_checkpointing:
         adapter.enable_activation_checkpointing(model)
     if cfg.trainer.compile:
@@ -259,6 +266,7 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
                     precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
                     device=run_device, objective=objective_of(cfg),
                     strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
-                    save_frozen=adapter.saves_frozen_weights(spec))
+                    save_frozen=adapter.saves_frozen_weights(spec), chunked_head=cfg.trainer.chunked_head,
+                    head_chunk_tokens=cfg.trainer.head_chunk_tokens)
     reference = Reference(engine, model, frozen) if cfg.objective.name == "dpo" else None
     return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine, reference)

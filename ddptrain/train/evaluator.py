@@ -20,10 +20,14 @@ from ddptrain.data.global_batch import split_micro
 from ddptrain.distributed import DistInfo, all_reduce_sum
 from ddptrain.engine.engine import Engine
 from ddptrain.contract.targets import IGNORE_INDEX
-from ddptrain.engine.objective import token_loss_sum
 from ddptrain.contract.pairs import PairTargets
+from ddptrain.engine.chunked import valid_positions_of
+from ddptrain.engine.objective import Objective
 from ddptrain.train.components import StepEnd
 from ddptrain.train.reference import Reference
+
+CROSS_ENTROPY = Objective()
+"""The validation loss is the plain mean cross-entropy, whatever the training objective adds."""
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +100,12 @@ class Evaluator:
             if self.reference is not None:  # pairs: the mean DPO loss over the validation pairs
                 [(inputs, targets)] = self.reference.fill([(inputs, targets)])
                 inputs, targets = inputs.to(device), targets.to(device)
-                sums[0] += engine.objective.token_sum(engine.forward(inputs), targets)[0]
+                sums[0] += engine.token_sum(inputs, targets)[0]
                 sums[1] += targets.pairs
                 continue
+            positions = valid_positions_of(targets)  # on the host: no device sync
             inputs, targets = inputs.to(device), targets.to(device)
-            logits = engine.forward(inputs)
-            sums[0] += token_loss_sum(logits, targets).double()
+            sums[0] += engine.token_sum(inputs, targets, CROSS_ENTROPY, positions).double()
             sums[1] += (targets != IGNORE_INDEX).sum()
         model.train()
         all_reduce_sum(sums)

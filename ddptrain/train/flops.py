@@ -10,6 +10,10 @@ head, whose matmul costs 2 * n_embd * vocab per token forward. The attention ter
 QK^T and AV products over the full T x T square (no discount for the causal mask), as PaLM does.
 Norms, softmax, GELU and the loss are not counted (a few percent at most for small models).
 
+With the chunked head (trainer.chunked_head) the head's matmul runs on the valid targets only, and
+twice forward (its logits are recomputed in backward): 6 * (N - head) per processed token plus
+8 * n_embd * vocab per valid target, what is computed.
+
 MFU = achieved model FLOP/s / (peak FLOP/s per device x devices). It counts the tokens a
 microbatch processes, padding included: the hardware computes them. Padding waste shows up
 separately as `padding_efficiency`.
@@ -85,25 +89,36 @@ class ModelFlops:
     matmul_params: int
     n_layer: int
     n_embd: int
+    head_params: int = 0
+    """The output head's matmul parameters (n_embd x vocab), part of matmul_params."""
+    chunked_head: bool = False
+    """The head runs on valid targets only, its forward twice (`per_valid_target`)."""
 
     def per_token(self, seq_len: int) -> float:
-        """Forward + backward FLOPs of one token in a sequence of `seq_len` positions."""
+        """Forward + backward FLOPs of one token in a sequence of `seq_len` positions (all of the head)."""
         return 6.0 * self.matmul_params + 12.0 * self.n_layer * self.n_embd * seq_len
 
     def per_microbatch(self, rows: int, seq_len: int) -> float:
-        return rows * seq_len * self.per_token(seq_len)
+        """What a microbatch's processed positions cost; with the chunked head, without the head."""
+        head = 6.0 * self.head_params if self.chunked_head else 0.0
+        return rows * seq_len * (self.per_token(seq_len) - head)
+
+    def per_valid_target(self) -> float:
+        """The chunked head's FLOPs per valid target: forward, its recompute and backward (2 + 2 + 4)."""
+        return 8.0 * self.head_params if self.chunked_head else 0.0
 
     @classmethod
-    def of_gpt(cls, model: nn.Module) -> "ModelFlops":
+    def of_gpt(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops":
         """From a ddptrain GPT: all parameters but the position embedding (tied weights once)."""
         matmul_params = model.num_parameters() - model.pos_emb.weight.numel()
-        return cls(matmul_params, model.cfg.n_layer, model.cfg.n_embd)
+        return cls(matmul_params, model.cfg.n_layer, model.cfg.n_embd, model.head.weight.numel(), chunked_head)
 
     @classmethod
-    def of_module(cls, model: nn.Module) -> "ModelFlops | None":
-        """The built-in GPT, or a transformers decoder (from its config); None for other modules."""
+    def of_module(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops | None":
+        """The built-in GPT, or a transformers decoder (from its config); None for other modules.
+        `chunked_head`: the engine runs the head on valid targets only (Engine.chunked_head)."""
         if hasattr(model, "pos_emb") and hasattr(model, "cfg"):
-            return cls.of_gpt(model)
+            return cls.of_gpt(model, chunked_head)
         config = getattr(model, "config", None)
         layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
         width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
@@ -117,5 +132,5 @@ class ModelFlops:
         position = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
         if position is not None:
             params -= position.weight.numel()
-        return cls(params, int(layers), int(width))
+        return cls(params, int(layers), int(width), output.weight.numel() if output is not None else 0, chunked_head)
 

@@ -31,7 +31,8 @@ from torch import nn
 
 from ddptrain.config.choices import PRECISION_DTYPES, STRATEGY_NAMES
 from ddptrain.config.schema import TrainConfig
-from ddptrain.contract.outputs import logits_of
+from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
+from ddptrain.engine.chunked import HeadLoss
 from ddptrain.engine.objective import token_loss_sum
 from ddptrain.strategies import strategy_class
 from ddptrain.strategies.footprint import BYTES_PER_VALUE, MiB, Footprint, Layout, ParameterCounts
@@ -78,7 +79,7 @@ class ModelCounts(ParameterCounts):
 
 
 def count_model(model: nn.Module, blocks: set[str], micro_batch_size: int, seq_len: int, precision: str,
-                vocab_size: int, checkpointed: bool = False) -> ModelCounts:
+                vocab_size: int, checkpointed: bool = False, head_chunk_tokens: int | None = None) -> ModelCounts:
     """Parameter counts and one microbatch's activations of a model built on the meta device."""
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -86,20 +87,22 @@ def count_model(model: nn.Module, blocks: set[str], micro_batch_size: int, seq_l
     largest = max(units, default=parameters)
     note = ""
     try:
-        activations = Figure(saved_activation_bytes(model, micro_batch_size, seq_len, precision, vocab_size),
-                             "measured")
+        activations = Figure(saved_activation_bytes(model, micro_batch_size, seq_len, precision, vocab_size,
+                                                     head_chunk_tokens), "measured")
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
         # an op without a meta kernel, or a data-dependent check (transformers' masks call .item()): the formula
         activations = Figure(formula_activation_bytes(model, micro_batch_size, seq_len, precision, vocab_size,
-                                                      checkpointed), "computed")
+                                                      checkpointed, head_chunk_tokens), "computed")
         note = f"activations from the formula: the meta forward failed ({str(error).splitlines()[0][:120]})"
     return ModelCounts(parameters, trainable, largest, activations, note)
 
 
 def saved_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int, precision: str,
-                           vocab_size: int) -> int:
+                           vocab_size: int, head_chunk_tokens: int | None = None) -> int:
     """Bytes autograd saves for backward in one forward of one microbatch (meta tensors), then a
-    backward (which must run: a saved tensor it cannot use would show as an error here)."""
+    backward (which must run: a saved tensor it cannot use would show as an error here). With
+    `head_chunk_tokens` and a model that follows the head-loss protocol, through the chunked head
+    with every target valid (its most: the gathered hidden states)."""
     dtype = getattr(torch, PRECISION_DTYPES[precision])
     run = model if next(model.parameters()).dtype == dtype else model.to(dtype)  # meta: no copy of any data
     saved = [0]
@@ -112,14 +115,18 @@ def saved_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int
     inputs = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
     targets = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = token_loss_sum(logits_of(run(inputs)), targets)
+        if head_chunk_tokens and takes_head_loss(run):
+            every = torch.arange(micro_batch_size * seq_len, device="meta")
+            loss = run(inputs, **{HEAD_LOSS: HeadLoss(targets, None, head_chunk_tokens, every)})
+        else:
+            loss = token_loss_sum(logits_of(run(inputs)), targets)
     if loss.requires_grad:
         loss.backward()
     return saved[0]
 
 
 def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int, precision: str,
-                             vocab_size: int, checkpointed: bool = False) -> float:
+                             vocab_size: int, checkpointed: bool = False, head_chunk_tokens: int | None = None) -> float:
     """Korthikanti et al. 2022: 34·B·T·d + 5·B·h·T² bytes per layer at 2 bytes per value, plus the
     logits; with activation checkpointing, each block keeps its input (2·B·T·d) and one block's
     activations live at a time (the paper's full recomputation)."""
@@ -131,7 +138,8 @@ def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: i
     b, t = micro_batch_size, seq_len
     per_layer = 34 * b * t * width + 5 * b * heads * t * t
     blocks = layers * 2 * b * t * width + per_layer if checkpointed else layers * per_layer
-    return blocks * scale + 2 * b * t * vocab_size * BYTES_PER_VALUE.get(precision, 4)
+    logit_rows = min(b * t, head_chunk_tokens) if head_chunk_tokens else b * t  # the chunked head: one chunk's
+    return blocks * scale + 2 * logit_rows * vocab_size * BYTES_PER_VALUE.get(precision, 4)
 
 
 # -- the strategies ---------------------------------------------------------------------------------
@@ -262,5 +270,6 @@ def plan_for_config(cfg: TrainConfig, world_size: int,
                     reshard_after_forward=bool(options.get("reshard_after_forward", True)),
                     deepspeed=dict(options.get("deepspeed", {}) or {}))
     counts = count_model(model, block_class_names(model), micro_rows, batch.seq_len, cfg.trainer.precision,
-                         vocab_size, checkpointed=bool(cfg.trainer.activation_checkpointing))
+                         vocab_size, checkpointed=bool(cfg.trainer.activation_checkpointing),
+                         head_chunk_tokens=cfg.trainer.head_chunk_tokens if cfg.trainer.chunked_head else None)
     return plan_strategies(counts, layout), counts, layout

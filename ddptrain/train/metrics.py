@@ -81,7 +81,10 @@ class ThroughputWindow:
 
     def summary(self) -> dict:
         """The window's rates and per-step mean times; then starts a new window."""
-        self.valid_tokens += sum(stats.tokens for stats in self._unread)
+        new_valid = sum(stats.tokens for stats in self._unread)
+        self.valid_tokens += new_valid
+        if self.model_flops is not None:
+            self.flops += self.model_flops.per_valid_target() * new_valid  # the chunked head's
         self._unread = []
         train_s = max(sum(self.seconds.values()), 1e-9)
         steps = max(self.steps, 1)

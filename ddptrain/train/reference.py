@@ -9,7 +9,8 @@ PairTargets; this fills them in, without gradients, for every microbatch of the 
   policy, on every rank (ddp, zero1, zero2 replicate the weights too: the copy costs what one more
   replica of the weights costs; under fsdp and zero3 it is not sharded, see docs/preference.md).
 
-The log-probs are those of the engine's forward (its precision and autocast), in float64.
+The log-probs are those of the engine's forward (its precision and autocast; with its chunked head,
+the head on the valid targets only), in float64.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ddptrain.contract.outputs import logits_of
+from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
 from ddptrain.contract.pairs import PairTargets
 from ddptrain.engine.engine import AUTOCAST, Engine, filler_inputs
-from ddptrain.engine.preference import sequence_logps
+from ddptrain.engine.preference import PairHeadLoss, sequence_logps
 from ddptrain.models.lora import is_adapted
 
 
@@ -50,6 +51,7 @@ class Reference:
         if frozen is not None and engine.precision == "fp64":
             self.model = self.model.to(dtype=torch.float64)
         self.disables_adapter = frozen is None
+        self.uses_head_loss = engine.chunked_head and takes_head_loss(self.model)
 
     @torch.no_grad()
     def logps(self, inputs, pairs: PairTargets) -> torch.Tensor:
@@ -58,9 +60,13 @@ class Reference:
         autocast = (torch.autocast(device.type, dtype=AUTOCAST[precision]) if precision in AUTOCAST
                     else contextlib.nullcontext())
         adapter = self.model.disable_adapter() if self.disables_adapter else contextlib.nullcontext()
+        # With the engine's chunked head, the head runs on the valid targets only: no (B, T, V) logits.
+        chunk = max(pairs.tokens.numel(), 1) if self.engine.strategy.gathers_per_module_call else \
+            self.engine.head_chunk_tokens  # ZeRO-3 gathers per head call: one chunk, as the engine does
+        keywords = {HEAD_LOSS: PairHeadLoss(pairs, None, chunk)} if self.uses_head_loss else {}
         with adapter, autocast:
-            output = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
-        return sequence_logps(logits_of(output), pairs).double()
+            output = self.model(**inputs, **keywords) if isinstance(inputs, dict) else self.model(inputs, **keywords)
+        return (output if keywords else sequence_logps(logits_of(output), pairs)).double()
 
     def fill(self, microbatches: Sequence[tuple], max_microbatches: int | None = None) -> list[tuple]:
         """The microbatches with their reference log-probs, computed on the engine's device. Where the

@@ -121,7 +121,8 @@ class Trainer:
             self.run_dir.write_config()  # the launch is accepted
         self.evaluator = Evaluator.from_config(self.built.data.val, cfg, self.dist, self.engine, self.built.reference)
         peak_flops = device_peak_flops(self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops)
-        window = ThroughputWindow(ModelFlops.of_module(self.built.model), peak_flops, self.dist.world_size)
+        window = ThroughputWindow(ModelFlops.of_module(self.built.model, self.engine.chunked_head), peak_flops,
+                                  self.dist.world_size)
         self.metrics = MetricsLogger.from_config(cfg, window, run_id=saved.get("wandb_run_id"),
                                                  resume_step=self.step if saved else None)
         self.preemption = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device,

@@ -102,16 +102,43 @@ def test_flops_per_token_of_the_default_model_match_a_hand_count_and_torch_flop_
     assert ModelFlops.of_gpt(model).per_token(seq_len) == pytest.approx(measured_per_token, rel=0.05)
 
 
+def test_chunked_head_flops_match_torch_flop_counter():
+    """ModelFlops with the chunked head counts what runs: torch's FLOP counter over a forward and
+    backward through head_token_sum, half the targets ignored, the head's recompute included."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddptrain.engine.chunked import HeadLoss
+
+    seq_len, rows = 64, 2
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=4096, max_seq_len=seq_len, n_layer=2, n_head=2, n_embd=64))  # a large head
+    inputs = torch.randint(0, 4096, (rows, seq_len))
+    targets = torch.randint(0, 4096, (rows, seq_len))
+    targets[:, ::2] = -100
+    valid = int((targets != -100).sum())
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(inputs, head_loss=HeadLoss(targets, chunk_tokens=16)).backward()
+    flops = ModelFlops.of_gpt(model, chunked_head=True)
+    counted = flops.per_microbatch(rows, seq_len) + flops.per_valid_target() * valid
+    assert counted == pytest.approx(counter.get_total_flops(), rel=0.05)
+    full = ModelFlops.of_gpt(model).per_microbatch(rows, seq_len)
+    assert counted < 0.9 * full, "half the targets ignored: the head's share of the FLOPs is smaller"
+
+
 def test_logged_flops_per_second_match_the_hand_count_for_the_default_model(tmp_path):
     """flops_per_second / processed tokens per second = FLOPs per token of the default model."""
     seq_len = 256
     _ok(run_cli(["data.max_docs=40", "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_examples=8",
                  f"batch.seq_len={seq_len}", "batch.global_size=8", "batch.micro_size=8", f"run.dir={tmp_path}"]))
     model = GPT(GPTConfig(vocab_size=256, max_seq_len=seq_len))  # the default model's shape
-    hand = _hand_count_per_token(model, seq_len)
+    head = model.head.weight.numel()
     for m in read_metrics(tmp_path):
         processed_per_second = m["tokens_per_second"] / m["padding_efficiency"]
         logged = m["flops_per_second"] / processed_per_second
+        # The chunked head (the default) runs on valid targets only, its forward twice: 8 x head per
+        # valid target in place of 6 x head per processed position.
+        hand = _hand_count_per_token(model, seq_len) - 6 * head + 8 * head * m["padding_efficiency"]
         print(f"step {m['step']}: logged {logged:.4g} FLOPs/token, hand count {hand:.4g} "
               f"({logged / hand - 1:+.2%}), {m['flops_per_second']:.3g} FLOP/s")
         # Microbatches narrower than seq_len (all examples short) make the attention term smaller.

@@ -98,13 +98,13 @@ def test_eval_microbatches_keep_the_token_budget_of_training(tmp_path):
     trainer = Trainer(cfg, init_distributed()).build()
     try:
         engine, shapes = trainer.engine, []
-        forward = engine.forward
+        token_sum = engine.token_sum  # what the evaluator runs each eval microbatch through
 
         def recording(inputs, *args, **kwargs):
             shapes.append(tuple(inputs.shape))
-            return forward(inputs, *args, **kwargs)
+            return token_sum(inputs, *args, **kwargs)
 
-        engine.forward = recording
+        engine.token_sum = recording
         budgeted = trainer.evaluator.run(engine)
         assert shapes and all(rows * width <= 48 for rows, width in shapes), shapes
         assert sum(rows for rows, _ in shapes) == 16, "every validation example once"
