@@ -185,7 +185,7 @@ MODEL_SCHEMAS = {"gpt": GPTModelConfig, "hf": HFModelConfig}
 @dataclass
 class ObjectiveConfig:
     name: str = "token"
-    """token (the mean token loss over valid targets) | dpo (the mean DPO loss over preference pairs, data=preference)."""
+    """token (the mean token loss over valid targets) | dpo (the mean DPO loss over pairs, data=preference)."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon in [0, 1): still a sum over valid tokens divided by the global count N_t."""
     z_loss: float = 0.0

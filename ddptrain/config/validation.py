@@ -59,7 +59,7 @@ _READ_ONLY_WHEN = (
     ("data.prompt_field", DataConfig, "data.format", ("auto", "prompt_completion")),
     ("data.completion_field", DataConfig, "data.format", ("auto", "prompt_completion")),
     ("data.val_percent", DataConfig, "data.val_paths", ([],)),
-    ("data.cache_dir", DataConfig, "data.name", ("text", "jsonl", "tokens", "hf", "sft", "preference")),  # stdlib: memory
+    ("data.cache_dir", DataConfig, "data.name", ("text", "jsonl", "tokens", "hf", "sft", "preference")),  # not stdlib
     ("optim.betas", OptimConfig, "optim.name", ("adamw",)),
     ("optim.min_lr_ratio", OptimConfig, "optim.schedule", ("cosine",)),
     ("optim.decay_steps", OptimConfig, "optim.schedule", ("cosine",)),
@@ -322,8 +322,9 @@ def _validate_data(data: Any) -> None:
     elif data.eod_token is not None or data.index is not None:
         raise ConfigError(f"data.eod_token / data.index apply to data=tokens only, not data={data.name}")
     if data.name in ("sft", "preference") and data.tokenizer == "byte":
-        raise ConfigError(f"data={data.name} needs a real tokenizer with an EOS token and a chat template, not data.tokenizer="
-                          "byte: model=hf's own (data.tokenizer=null) or data.tokenizer=<dir>/tokenizer.json")
+        raise ConfigError(f"data={data.name} needs a real tokenizer with an EOS token and a chat template, not "
+                          "data.tokenizer=byte: model=hf's own (data.tokenizer=null) or "
+                          "data.tokenizer=<dir>/tokenizer.json")
     if data.name not in ("sft", "preference") and data.chat_template is not None:
         raise ConfigError(f"data.chat_template applies to data=sft and data=preference only, not data={data.name}")
 

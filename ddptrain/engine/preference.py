@@ -141,8 +141,9 @@ def head_sequence_logps(hidden: torch.Tensor, head: Head, pairs: PairTargets, ch
     valid = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
     valid_hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, valid)  # (N_valid, D)
     valid_targets = flat_targets.index_select(0, valid)
+    chunks = zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))
     pieces = [checkpoint(_head_logps, h, head, t, use_reentrant=False) if torch.is_grad_enabled() else
-              _head_logps(h, head, t) for h, t in zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))]
+              _head_logps(h, head, t) for h, t in chunks]
     logps = torch.cat(pieces) if pieces else valid_hidden.new_zeros(0)
     return sum_by_sequence(logps, pairs.sequences.reshape(-1).index_select(0, valid), pairs.count)
 

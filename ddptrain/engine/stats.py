@@ -97,8 +97,9 @@ class StepStats:
     def __getstate__(self) -> dict:
         """Pickled (sent between processes) as plain numbers: reading them waits for the device."""
         state = dict(self.__dict__)
-        state.update(_loss=self.loss, _metrics=self.metrics, _metric_names=(), _loss_sum=None, _wait=None, _tokens=self.tokens,
-                     _grad_norm=_number(self._grad_norm), _skipped=self.skipped, _fillers=self.filler_microbatches)
+        state.update(_loss=self.loss, _metrics=self.metrics, _metric_names=(), _loss_sum=None, _wait=None,
+                     _tokens=self.tokens, _grad_norm=_number(self._grad_norm), _skipped=self.skipped,
+                     _fillers=self.filler_microbatches)
         return state
 
     def __repr__(self) -> str:
