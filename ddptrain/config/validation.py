@@ -336,6 +336,4 @@ def _validate_objective(objective: Any, data_name: str) -> None:
                           "and data=preference is trained with objective=dpo; use both, or neither")
     if not 0 < objective.beta < math.inf:
         raise ConfigError(f"objective.beta={objective.beta!r} must be a finite number > 0")
-    if objective.precompute_reference:
-        raise ConfigError("objective.precompute_reference=true is not available yet: the reference log-probs are "
-                          "computed before each step (docs/preference.md); leave it out")
+

@@ -213,6 +213,7 @@ class PreferencePairs:
         self.positions = positions.sum(axis=1)  # both sequences laid end to end (packing)
         self.documents = len(self)
         self.skipped_documents = sequences.skipped_documents
+        self.reference: np.ndarray | None = None  # (2P,) precomputed reference log-probs, when there are
 
     def __len__(self) -> int:
         return len(self.sequences) // 2
@@ -229,7 +230,10 @@ class PreferencePairs:
         inputs, targets = self.sequences.collate(seq_ids)
         sequences = torch.arange(len(seq_ids)).unsqueeze(1).expand_as(targets).clone()
         sequences[targets == IGNORE_INDEX] = -1
-        return inputs, PairTargets(targets, sequences, len(seq_ids))
+        return inputs, PairTargets(targets, sequences, len(seq_ids), self._reference_of(seq_ids))
+
+    def _reference_of(self, seq_ids: list | np.ndarray) -> torch.Tensor | None:
+        return None if self.reference is None else torch.from_numpy(self.reference[np.asarray(seq_ids)])
 
     def collate_packed(self, rows: list[np.ndarray]) -> tuple[dict[str, torch.Tensor], PairTargets]:
         """Rows of whole pairs, each sequence a document of its own (own positions and attention segment)."""
@@ -240,10 +244,11 @@ class PreferencePairs:
         positions = np.zeros(shape, dtype=np.int64)
         segments = np.full(shape, -1, dtype=np.int64)
         sequences = np.full(shape, -1, dtype=np.int64)
-        count = 0
+        count, order = 0, []
         for r, row in enumerate(rows):
             at = 0
             for segment, index in enumerate(np.stack([2 * row, 2 * row + 1], axis=1).reshape(-1)):
+                order.append(index)
                 start, length = int(examples.starts[index]), int(examples.lengths[index])
                 piece = examples.tokens[start : start + length]
                 used = slice(at, at + length - 1)
@@ -254,8 +259,8 @@ class PreferencePairs:
                 sequences[r, used] = np.where(targets[r, used] != IGNORE_INDEX, count, -1)
                 count += 1
                 at += length - 1
-        return packed_batch(inputs, positions, segments), PairTargets(torch.from_numpy(targets),
-                                                                      torch.from_numpy(sequences), count)
+        return packed_batch(inputs, positions, segments), PairTargets(
+            torch.from_numpy(targets), torch.from_numpy(sequences), count, self._reference_of(order))
 
 
 class PairRows:

@@ -33,7 +33,7 @@ from ddptrain.models.lora import is_adapted
 from ddptrain.models.kernel_check import kernel_problem
 from ddptrain.strategies import check_strategy_config
 from ddptrain.train.optim import build_optimizer, build_scheduler
-from ddptrain.train.reference import Reference, frozen_copy
+from ddptrain.train.reference import Reference, frozen_copy, precompute
 
 log = logging.getLogger(__name__)
 
@@ -269,4 +269,8 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
                     save_frozen=adapter.saves_frozen_weights(spec), chunked_head=cfg.trainer.chunked_head,
                     head_chunk_tokens=cfg.trainer.head_chunk_tokens)
     reference = Reference(engine, model, frozen) if cfg.objective.name == "dpo" else None
+    if cfg.objective.precompute_reference:  # once, from the initial weights (a resume rebuilds them)
+        splits = {"train": data.train, "val": data.val}
+        data.fingerprint["reference"] = precompute(reference, splits, data.fingerprint, cfg.batch.micro_size,
+                                                   dist_info, cfg.data.cache_dir)
     return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine, reference)

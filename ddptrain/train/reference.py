@@ -9,6 +9,11 @@ PairTargets; this fills them in, without gradients, for every microbatch of the 
   policy, on every rank (ddp, zero1, zero2 replicate the weights too: the copy costs what one more
   replica of the weights costs; under fsdp and zero3 it is not sharded, see docs/preference.md).
 
+With objective.precompute_reference=true they are computed once before step 1 instead, for every
+pair of both splits (spread over the ranks, summed), and kept in the data cache under a key of the
+data's and the reference weights' fingerprints; the key joins the run's input fingerprint, so a
+resume over another model is refused.
+
 The log-probs are those of the engine's forward (its precision and autocast; with its chunked head,
 the head on the valid targets only), in float64.
 """
@@ -17,16 +22,29 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
 from typing import Sequence
+
+import numpy as np
 
 import torch
 from torch import nn
 
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
 from ddptrain.contract.pairs import PairTargets
+from ddptrain.data.cache import default_cache_dir
+from ddptrain.data.preference import PreferencePairs
+from ddptrain.distributed import DistInfo, all_reduce_sum, barrier
 from ddptrain.engine.engine import AUTOCAST, Engine, filler_inputs
 from ddptrain.engine.preference import PairHeadLoss, sequence_logps
 from ddptrain.models.lora import is_adapted
+
+
+log = logging.getLogger(__name__)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -89,3 +107,48 @@ def _on(device: torch.device, inputs):
     if isinstance(inputs, dict):
         return {key: value.to(device) for key, value in inputs.items()}
     return inputs.to(device)
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """sha256 of the reference's weights: every parameter but a LoRA adapter's (disabled in the reference)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        if "lora_" not in name:
+            digest.update(name.encode() + param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def precompute(reference: Reference, splits: dict[str, PreferencePairs], data_inputs: dict, micro_pairs: int,
+               dist_info: DistInfo, cache_dir: str | None) -> str:
+    """Set each split's `reference` log-probs, from the cache or computed once (pairs spread over the ranks,
+    the rest of the vector zeros, summed); returns the cache key. Collective."""
+    key = hashlib.sha256(json.dumps({"data": data_inputs, "weights": weights_fingerprint(reference.model),
+                                     "precision": reference.engine.precision,
+                                     "splits": {name: len(pairs) for name, pairs in splits.items()}},
+                                    sort_keys=True, default=str).encode()).hexdigest()[:24]
+    directory = (Path(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()) / "reference"
+    for name, pairs in splits.items():
+        path = directory / f"{key}.{name}.npy"
+        if path.is_file():
+            pairs.reference = np.load(path)
+            log.info("reference: log-probs of %d %s pairs reused from %s", len(pairs), name, path)
+            continue
+        values = torch.zeros(2 * len(pairs), dtype=torch.float64, device=reference.engine.device)
+        ids = np.arange(dist_info.rank, len(pairs), dist_info.world_size)
+        rounds = -(-len(pairs) // (dist_info.world_size * micro_pairs))  # the same on every rank
+        for index in range(rounds):
+            chunk = ids[index * micro_pairs : (index + 1) * micro_pairs]
+            batch = [pairs.collate(chunk if len(chunk) else ids[:1] if len(ids) else np.arange(1))]
+            [(_, filled)] = reference.fill(batch)
+            if len(chunk):
+                seq_ids = torch.from_numpy(np.stack([2 * chunk, 2 * chunk + 1], axis=1).reshape(-1))
+                values[seq_ids.to(values.device)] = filled.reference.to(values.device)
+        all_reduce_sum(values)
+        pairs.reference = values.cpu().numpy()
+        if dist_info.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            np.save(directory / f"{key}.{name}.tmp.npy", pairs.reference)
+            os.replace(directory / f"{key}.{name}.tmp.npy", path)
+        log.info("reference: log-probs of %d %s pairs computed before step 1 into %s", len(pairs), name, path)
+    barrier()
+    return key

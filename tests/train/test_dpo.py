@@ -126,3 +126,34 @@ def test_the_loss_after_one_update_is_trl_dpo_trainers(tmp_path, lora, loss_type
           f"{ours:.8f}, TRL DPOTrainer {theirs:.8f}, relative difference {abs(ours - theirs) / abs(theirs):.2e}")
     assert abs(ours - first) > 1e-3 * abs(first), "the update changed the loss"
     assert math.isclose(ours, theirs, rel_tol=1e-5)
+
+
+@pytest.mark.slow
+def test_precomputed_reference_log_probs_give_the_same_run_survive_a_resume_and_refuse_another_model(tmp_path):
+    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", random_pairs(24, seed=13, conversational=True))
+    val = write_jsonl(tmp_path / "val.jsonl", random_pairs(4, seed=14, conversational=True))
+    base = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
+            f"data.cache_dir={tmp_path / 'cache'}", "model.lora.r=4", "batch.micro_size=2"]
+    each_step = run_cli([*base, f"run.dir={tmp_path / 'each_step'}"], nproc=2)
+    assert each_step.returncode == 0, each_step.stderr[-3000:]
+    precomputed = [*base, "objective.precompute_reference=true"]
+    first = run_cli([*precomputed, "trainer.max_steps=2", f"run.dir={tmp_path / 'pre'}"], nproc=2)
+    assert first.returncode == 0 and "computed before step 1" in first.stderr, first.stderr[-3000:]
+    resumed = run_cli([*precomputed, f"run.dir={tmp_path / 'pre'}"], nproc=2)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert "reused from" in resumed.stderr and "computed before step 1" not in resumed.stderr
+    for mine, ref in zip(read_metrics(tmp_path / "pre"), read_metrics(tmp_path / "each_step"), strict=True):
+        for key in (*METRICS, "val_loss"):
+            # Step 1's rewards are 0 up to rounding (policy = reference, computed in other batch shapes):
+            # which of two zeros is larger is noise.
+            if key in ref and not (key == "reward_accuracy" and mine["step"] == 1):
+                assert math.isclose(mine[key], ref[key], rel_tol=1e-9, abs_tol=1e-12), (mine["step"], key)
+    other = _llama_with_chat_tokenizer(tmp_path / "other")  # other weights: the same files, rescaled head
+    model = transformers.AutoModelForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)
+    model.save_pretrained(model_dir)
+    refused = run_cli([*precomputed, "trainer.max_steps=4", f"run.dir={tmp_path / 'pre'}"], nproc=2)
+    assert refused.returncode != 0 and "the run's inputs differ from the checkpoint's: data.reference: " in \
+        refused.stderr, refused.stderr[-3000:]
