@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import math
 import os
 import re
 import shlex
@@ -57,6 +58,8 @@ COMMANDS = {
         "tests/models/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
     "python -m ddptrain.export runs/default merged/ --merge":
         "tests/models/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
+    "python -m ddptrain model=hf model.path=merged model.lora.r=16 data=preference objective=dpo "
+    "'data.paths=[pairs.jsonl]' run.dir=runs/dpo": "tests/test_readme.py::test_sft_then_dpo_with_lora_runs_as_written",
     "python -m benchmarks.bench": "tests/test_benchmarks.py::test_engine_throughput_benchmark_runs_on_two_ranks",
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
@@ -239,6 +242,7 @@ def test_every_command_shown_is_run_by_a_test_or_listed_as_not_run():
 RUN_VERBATIM = {
     "test_own_model_example_runs_as_written": lambda: _own_model_example()[1],
     "test_ci_runs_exactly_the_readme_test_command": lambda: [_readme_commands()[1]],  # .ci/run runs that line
+    "test_sft_then_dpo_with_lora_runs_as_written": lambda: _sft_then_dpo_commands(),
 }
 """Tests of this file that take their commands from README.md itself: name -> the commands they run."""
 
@@ -479,3 +483,36 @@ def test_own_model_example_runs_as_written(tmp_path):
     assert "resumed from" in outputs[1].stderr and "at step 20" in outputs[1].stderr, outputs[1].stderr[-3000:]
     assert [m["step"] for m in read_metrics(tmp_path / "runs" / "mine")] == [10, 20, 30, 40]
     assert outputs[2].stdout.startswith("TinyLM(") and "GRU(96, 96" in outputs[2].stdout, outputs[2].stdout
+
+
+def _sft_then_dpo_commands() -> list[str]:
+    """The README's bash block that ends with the DPO run: SFT with LoRA, the merge, DPO with LoRA."""
+    block = next(block for block in _blocks(REPO / "README.md", "bash") if "objective=dpo" in block)
+    return block.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_sft_then_dpo_with_lora_runs_as_written(tmp_path):
+    """The three commands verbatim, in a directory holding my_model (a tiny Llama with a chat tokenizer),
+    chats.jsonl and pairs.jsonl: 200 SFT steps, the merged export, 200 DPO steps on it with LoRA."""
+    from tests.data.chats import random_chats, write_jsonl
+    from tests.data.pairs import random_pairs
+    from tests.data.test_sft import _llama_with_chat_tokenizer
+
+    _llama_with_chat_tokenizer(tmp_path / "my_model")
+    write_jsonl(tmp_path / "chats.jsonl", random_chats(60, seed=1))
+    write_jsonl(tmp_path / "pairs.jsonl", random_pairs(60, seed=2, conversational=True))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    commands = _sft_then_dpo_commands()
+    assert len(commands) == 3 and "data=sft" in commands[0] and "--merge" in commands[1]
+    for command in commands:
+        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=900)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+    metrics = read_metrics(tmp_path / "runs" / "dpo")
+    assert [m["step"] for m in metrics] == list(range(10, 201, 10))
+    # Step 1 (policy = reference) is log 2; the run learns to prefer the chosen completions.
+    assert metrics[-1]["loss"] < math.log(2) and metrics[-1]["reward_margin"] > 0, metrics[-1]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "runs" / "dpo" /
+                                                                                      "final").iterdir()}

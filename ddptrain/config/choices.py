@@ -47,7 +47,7 @@ def attention_refusal(backend: str, device_type: str, precision: str) -> str | N
                 f"{' | '.join(precisions)} ({why}); this run has {device_type} and {precision}: use "
                 "trainer.attention=auto, gather or mask")
     return None
-DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf", "sft")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf", "sft", "preference")
 """data.name"""
 SFT_FORMATS = ("auto", "messages", "prompt_completion")
 """data.format (data=sft): TRL's conversational or prompt-completion records; auto tells them by their fields."""
@@ -55,6 +55,10 @@ SFT_TRAIN_ON = ("all_assistant", "last_assistant")
 """data.train_on (data=sft): which assistant turns of a conversation are targets."""
 SFT_TRUNCATIONS = ("drop", "right", "error")
 """data.truncation (data=sft): an example longer than batch.seq_len + 1 is dropped (counted), cut at its end, or an error."""
+OBJECTIVES = ("token", "dpo")
+"""objective.name: the mean token loss over valid targets, or DPO's mean over preference pairs (data=preference)."""
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+"""objective.loss_type (objective=dpo): TRL's formulas of the same names."""
 SPLIT_BY = ("file", "paragraph")
 """data.split_by (data=text)."""
 DECODE_ERRORS = ("replace", "error")

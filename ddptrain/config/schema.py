@@ -185,16 +185,25 @@ MODEL_SCHEMAS = {"gpt": GPTModelConfig, "hf": HFModelConfig}
 
 @dataclass
 class ObjectiveConfig:
+    name: str = "token"
+    """token (the mean token loss over valid targets) | dpo (the mean DPO loss over pairs, data=preference)."""
     label_smoothing: float = 0.0
     """Label smoothing epsilon in [0, 1): still a sum over valid tokens divided by the global count N_t."""
     z_loss: float = 0.0
     """Weight of PaLM's z-loss, log(Z)^2 summed over valid tokens (0: off)."""
+    beta: float = 0.1
+    """dpo: the KL weight beta (ipo: the regularisation tau), > 0, as TRL's DPOConfig.beta."""
+    loss_type: str = "sigmoid"
+    """dpo: sigmoid (DPO) | ipo (IPO on per-token mean log-ratios), TRL's formulas."""
+    precompute_reference: bool = False
+    """dpo: the reference log-probs computed once before step 1 into the data cache (keyed by the model's weights)."""
 
 
 @dataclass
 class DataConfig:
     name: str = "stdlib"
-    """stdlib (the interpreter's standard-library sources) | text | jsonl | tokens | hf (optional extra) | sft (chats)."""
+    """stdlib (the interpreter's standard-library sources) | text | jsonl | tokens | hf (optional extra) | sft (chats) |
+    preference (TRL's prompt/chosen/rejected pairs)."""
     val_percent: float = 5.0
     """Percent of documents (by a hash of their name) held out for validation (unless val_paths)."""
     max_docs: Optional[int] = None
@@ -232,7 +241,8 @@ class DataConfig:
     train_on: str = "all_assistant"
     """sft: every assistant turn is a target (all_assistant) | only a conversation's last one (last_assistant)."""
     truncation: str = "drop"
-    """sft: an example longer than batch.seq_len + 1 tokens: drop (counted, warned) | right (cut its end) | error."""
+    """sft and preference: an example (a pair: either sequence) longer than batch.seq_len + 1 tokens: drop (counted,
+    warned) | right (cut its end) | error."""
     chat_template: Optional[str] = None
     """sft: a Jinja chat template file (default: the tokenizer's own, chat_template.jinja or tokenizer_config.json)."""
 

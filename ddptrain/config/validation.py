@@ -21,7 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddptrain.config import choices
 from ddptrain.config.layout import BatchLayout, rows_vary
-from ddptrain.config.schema import MODEL_SCHEMAS, ConfigError, DataConfig, OptimConfig, TrainConfig, WandbConfig
+from ddptrain.config.schema import (MODEL_SCHEMAS, ConfigError, DataConfig, ObjectiveConfig, OptimConfig, TrainConfig,
+                                    WandbConfig)
 from ddptrain.distributed import replicate_degree
 
 _CHOICES = {
@@ -38,23 +39,29 @@ _CHOICES = {
     "data.format": choices.SFT_FORMATS,
     "data.train_on": choices.SFT_TRAIN_ON,
     "data.truncation": choices.SFT_TRUNCATIONS,
+    "objective.name": choices.OBJECTIVES,
+    "objective.loss_type": choices.DPO_LOSS_TYPES,
     "logger.wandb.mode": choices.WANDB_MODES,
     "logger.progress": choices.PROGRESS_MODES,
 }
 """Each enumerated key and where its values are declared."""
 
-_SFT_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "train_on", "truncation")
+_SFT_KEYS = ("format", "messages_field", "prompt_field", "completion_field", "train_on")
+_DPO_KEYS = ("beta", "loss_type", "precompute_reference")
 _READ_ONLY_WHEN = (
     ("data.split_by", DataConfig, "data.name", ("text",)),
     ("data.field", DataConfig, "data.name", ("jsonl", "hf")),
     ("data.dtype", DataConfig, "data.name", ("tokens",)),
-    ("data.on_decode_error", DataConfig, "data.name", ("text", "jsonl", "hf", "sft")),  # stdlib always replaces
+    ("data.on_decode_error", DataConfig, "data.name", ("text", "jsonl", "hf", "sft", "preference")),  # stdlib replaces
     *((f"data.{key}", DataConfig, "data.name", ("sft",)) for key in _SFT_KEYS),
+    ("data.truncation", DataConfig, "data.name", ("sft", "preference")),
+    *((f"objective.{key}", ObjectiveConfig, "objective.name", ("dpo",)) for key in _DPO_KEYS),
+    *((f"objective.{key}", ObjectiveConfig, "objective.name", ("token",)) for key in ("label_smoothing", "z_loss")),
     ("data.messages_field", DataConfig, "data.format", ("auto", "messages")),  # a forced format reads its own
     ("data.prompt_field", DataConfig, "data.format", ("auto", "prompt_completion")),
     ("data.completion_field", DataConfig, "data.format", ("auto", "prompt_completion")),
     ("data.val_percent", DataConfig, "data.val_paths", ([],)),
-    ("data.cache_dir", DataConfig, "data.name", ("text", "jsonl", "tokens", "hf", "sft")),  # stdlib: in memory
+    ("data.cache_dir", DataConfig, "data.name", ("text", "jsonl", "tokens", "hf", "sft", "preference")),  # not stdlib
     ("optim.betas", OptimConfig, "optim.name", ("adamw",)),
     ("optim.min_lr_ratio", OptimConfig, "optim.schedule", ("cosine",)),
     ("optim.decay_steps", OptimConfig, "optim.schedule", ("cosine",)),
@@ -126,6 +133,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"objective.label_smoothing={cfg.objective.label_smoothing!r} must be in [0, 1)")
     if not 0 <= cfg.objective.z_loss < math.inf:
         raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be a finite number >= 0")
+    _validate_objective(cfg.objective, cfg.data.name)
     batch = cfg.batch
     if rows_vary(batch):
         if batch.micro_tokens is not None and batch.micro_tokens < batch.seq_len:
@@ -366,8 +374,19 @@ def _validate_data(data: Any) -> None:
                               f"(ids < {max_id}); use data.dtype=uint32")
     elif data.eod_token is not None or data.index is not None:
         raise ConfigError(f"data.eod_token / data.index apply to data=tokens only, not data={data.name}")
-    if data.name == "sft" and data.tokenizer == "byte":
-        raise ConfigError("data=sft needs a real tokenizer with an EOS token and a chat template, not data.tokenizer="
-                          "byte: model=hf's own (data.tokenizer=null) or data.tokenizer=<dir>/tokenizer.json")
-    if data.name != "sft" and data.chat_template is not None:
-        raise ConfigError(f"data.chat_template applies to data=sft only, not data={data.name}")
+    if data.name in ("sft", "preference") and data.tokenizer == "byte":
+        raise ConfigError(f"data={data.name} needs a real tokenizer with an EOS token and a chat template, not "
+                          "data.tokenizer=byte: model=hf's own (data.tokenizer=null) or "
+                          "data.tokenizer=<dir>/tokenizer.json")
+    if data.name not in ("sft", "preference") and data.chat_template is not None:
+        raise ConfigError(f"data.chat_template applies to data=sft and data=preference only, not data={data.name}")
+
+
+def _validate_objective(objective: Any, data_name: str) -> None:
+    """DPO needs pairs and pairs need DPO: a token objective over pairs would train on both completions."""
+    if (objective.name == "dpo") != (data_name == "preference"):
+        raise ConfigError(f"objective={objective.name} with data={data_name}: objective=dpo trains on preference pairs "
+                          "and data=preference is trained with objective=dpo; use both, or neither")
+    if not 0 < objective.beta < math.inf:
+        raise ConfigError(f"objective.beta={objective.beta!r} must be a finite number > 0")
+

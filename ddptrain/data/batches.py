@@ -17,6 +17,8 @@ curve, do not depend on the layout.
   into rows of at most seq_len positions (narrower where that gives every rank a row), split over
   ranks and cut into microbatches as above. A microbatch is then a list of rows, each an array of
   example ids.
+- preference pairs (data=preference): the units are pairs, kept whole in every layout (two rows
+  each, or two documents of one packed row; ddptrain/data/preference.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.data.packing import ConversationRows, PackedExamples
+from ddptrain.data.preference import PairRows, PreferencePairs
 from ddptrain.data.global_batch import GlobalBatchPlan, rank_share, split_micro
 
 
@@ -75,7 +78,9 @@ class TrainBatches:
         if pack:
             if seq_len is None:
                 raise ValueError("packing needs seq_len, the length of a packed row")
-            if examples.is_conversations:  # packed per step: the same sample as unpacked
+            if isinstance(examples, PreferencePairs):  # whole pairs, each sequence a document
+                self.conversation_rows = PairRows(examples, seq_len)
+            elif examples.is_conversations:  # packed per step: the same sample as unpacked
                 self.conversation_rows = ConversationRows(examples, seq_len)
             else:
                 examples = PackedExamples.from_examples(examples, seq_len)

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ddptrain.config.schema import DataConfig
-from ddptrain.data import sft
+from ddptrain.data import preference, sft
 from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cache_key, default_cache_dir,
                                  file_stamp, open_tokens, relative_stamps)
 from ddptrain.data.chat import ChatTokenizer
@@ -35,18 +35,19 @@ _CHUNK = 1 << 24  # tokens per pass over a token file (bounded memory for any fi
 
 
 def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = None):
-    """DataSplits of a `text | jsonl | tokens | hf | sft` source (see DataConfig), through the cache."""
+    """DataSplits of a `text | jsonl | tokens | hf | sft | preference` source (see DataConfig), through the cache."""
     if data_cfg.name == "stdlib":  # data.vocab_size as for every source (ddptrain.plan counts the model with it)
         tokenizer = load_tokenizer(data_cfg.tokenizer)
         splits = load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs, tokenizer)
         splits.vocab_size = _vocab_size(data_cfg, tokenizer, {})
         return splits
-    is_sft = data_cfg.name == "sft"
-    if is_sft:
+    whole = {"sft": sft, "preference": preference}.get(data_cfg.name)  # whole examples with a target mask
+    is_whole = whole is not None
+    if is_whole:
         tokenizer = ChatTokenizer(data_cfg.tokenizer, data_cfg.chat_template)
     else:
         tokenizer = ByteTokenizer() if data_cfg.name == "tokens" else load_tokenizer(data_cfg.tokenizer)
-    allow_dirs = data_cfg.name in ("hf", "sft")
+    allow_dirs = data_cfg.name in ("hf", "sft", "preference")
     train_files = expand_paths(list(data_cfg.paths), "data.paths", allow_dirs)
     val_files = expand_paths(list(data_cfg.val_paths), "data.val_paths", allow_dirs) if data_cfg.val_paths else []
     index = Path(os.path.expanduser(data_cfg.index)) if data_cfg.index else None
@@ -58,7 +59,7 @@ def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = Non
         "val_percent": None if val_files else data_cfg.val_percent, "max_docs": data_cfg.max_docs,
         "split_by": data_cfg.split_by, "field": data_cfg.field, "on_decode_error": data_cfg.on_decode_error,
         "dtype": data_cfg.dtype, "eod_token": data_cfg.eod_token, "index": file_stamp(index) if index else None,
-        **(sft.fingerprint(data_cfg, seq_len) if is_sft else {}),
+        **(whole.fingerprint(data_cfg, seq_len) if is_whole else {}),
     }
     key = cache_key(fingerprint)
     if local_rank is None:
@@ -67,8 +68,8 @@ def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = Non
     def build(tmp: Path) -> dict:
         if data_cfg.name == "tokens":
             meta = _build_token_files(tmp, data_cfg, train_files, val_files, index)
-        elif is_sft:
-            meta = sft.build(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf", seq_len)
+        elif is_whole:
+            meta = whole.build(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf", seq_len)
         else:
             meta = _build_documents(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf")
         return {"fingerprint": fingerprint, **meta}
@@ -78,8 +79,8 @@ def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = Non
     vocab_size = _vocab_size(data_cfg, tokenizer, meta)
     splits = {}
     for split in ("train", "val"):
-        if is_sft:
-            splits[split] = sft.examples_of(entry, split, open_tokens(entry, meta[split]), meta)
+        if is_whole:
+            splits[split] = whole.examples_of(entry, split, open_tokens(entry, meta[split]), meta)
             continue
         docs = np.load(entry / f"{split}.docs.npy")
         splits[split] = TokenExamples.from_token_array(open_tokens(entry, meta[split]), docs[:, 0], docs[:, 1], seq_len)
@@ -90,8 +91,8 @@ def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = Non
         log.warning("data: skipped %d document(s) shorter than 2 tokens (no input/target pair), e.g. %s",
                     meta["short_documents"], meta["short_example"])
     warn_replaced(meta.get("replaced_documents", 0), meta.get("replaced_example"))
-    if is_sft:
-        sft.warn_skips(meta, seq_len)
+    if is_whole:
+        whole.warn_skips(meta, seq_len)
     inputs = {"source": data_cfg.name, "train": relative_stamps(train_files), "val": relative_stamps(val_files),
               "tokenizer": tokenizer.fingerprint(), "tokenizer_class": tokenizer.tokenizer_class,
               "documents": splits["train"].documents, "targets": splits["train"].valid_targets(),

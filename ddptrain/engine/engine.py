@@ -23,7 +23,7 @@ from ddptrain.config.choices import PRECISIONS, STEP_POLICIES
 from ddptrain.distributed import any_rank, get_rank, get_world_size, init_distributed, is_distributed
 from ddptrain.engine.loss_scale import DynamicLossScale
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
-from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.contract.pairs import PairTargets
 from ddptrain.engine.chunked import DEFAULT_CHUNK_TOKENS, HeadLoss, check_chunk_tokens, valid_positions_of
 from ddptrain.engine.objective import Objective
 from ddptrain.engine.stats import PhaseClock, StepStats
@@ -132,7 +132,7 @@ class Engine:
             grad_norm, applied = self._finish(counts[0])
         loss_wait = self._start_loss_reduce(loss_sum)
         stats = StepStats(tokens=counts[0], grad_norm=grad_norm, skipped=~applied, loss_sum=loss_sum, wait=loss_wait,
-                          filler_microbatches=fillers)
+                          filler_microbatches=fillers, metric_names=self.objective.metric_names)
         if self.nonfinite == "stop" and stats.skipped and stats.tokens:
             raise FloatingPointError(f"non-finite gradient norm {stats.grad_norm} (loss {stats.loss}); nonfinite='stop'")
         return clock.stamp(stats)
@@ -153,8 +153,8 @@ class Engine:
         else:
             fillers = missing = 0 if microbatches else 1
         if fillers:
-            template = microbatches[0] if microbatches else self._template or _TOKEN_IDS
-            microbatches = microbatches + [_filler(*template)] * fillers
+            inputs, targets = microbatches[0] if microbatches else self._template or _TOKEN_IDS
+            microbatches = microbatches + [(filler_inputs(inputs), self.objective.filler(targets))] * fillers
         self._template = microbatches[0]
         return microbatches, missing
 
@@ -162,15 +162,17 @@ class Engine:
                           global_tokens: torch.Tensor, wait_for_counts, clock: PhaseClock) -> torch.Tensor:
         """Backward of each microbatch's objective sum / N_t, non-final ones without gradient sync;
         returns this rank's loss sum. N_t = 0 backpropagates zeros and the update is masked."""
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # The objective's sums: the loss's, then any metrics' (DPO's rewards), all divided by the same count.
+        loss_sum = torch.zeros(self.objective.sums, dtype=torch.float64, device=self.device)
         for index, ((inputs, targets), valid) in enumerate(zip(microbatches, positions)):
             with self.strategy.microbatch_context(is_last=index == len(microbatches) - 1):
-                piece = self.token_sum(inputs, targets, valid_positions=valid)
+                sums = self.token_sum(inputs, targets, valid_positions=valid)
                 if index == 0:  # the count's all-reduce overlapped the first forward; backward needs N_t
                     with clock.phase("comm"):
                         wait_for_counts()
                     denominator = global_tokens.clamp_min(1)
-                loss_sum += piece.detach().double()
+                loss_sum += sums.detach().double()
+                piece = sums.reshape(-1)[0]
                 piece = piece / denominator.to(piece.dtype)
                 self.strategy.backward(self.loss_scale.scaled(piece) if self.loss_scale is not None else piece)
         return loss_sum
@@ -202,10 +204,19 @@ class Engine:
         different counts of gathers): the head still runs on valid targets only."""
         return max(targets.numel(), 1) if self.strategy.gathers_per_module_call else self.head_chunk_tokens
 
-    def _valid_positions(self, targets: torch.Tensor) -> torch.Tensor | None:
+    def _valid_positions(self, targets: torch.Tensor | PairTargets) -> torch.Tensor | None:
         """Where the targets are valid, found where they were made (the host, for the trainer's
-        batches: no device sync), for the chunked head; None without it."""
-        return valid_positions_of(targets) if self.chunked_head else None
+        batches: no device sync), for the chunked head; None without it, and for pairs, whose
+        objective finds them itself."""
+        return valid_positions_of(targets) if self.chunked_head and not isinstance(targets, PairTargets) else None
+
+    def _head_loss(self, targets: torch.Tensor | PairTargets, objective, valid_positions: torch.Tensor | None):
+        """The head-loss callable of one microbatch: head + objective on its valid targets. Pairs'
+        objectives are not sums over tokens (a pair's loss is a function of its sequences' sums), so
+        they bring their own (DPOObjective.head_loss)."""
+        if isinstance(targets, PairTargets):
+            return objective.head_loss(targets, self._chunk_tokens(targets.tokens))
+        return HeadLoss(targets, objective, self._chunk_tokens(targets), valid_positions)
 
     def _to_device(self, inputs, targets: torch.Tensor) -> Microbatch:
         non_blocking = self.device.type == "cuda"
@@ -213,14 +224,14 @@ class Engine:
             inputs = {k: v.to(self.device, non_blocking=non_blocking) for k, v in inputs.items()}
         else:
             inputs = inputs.to(self.device, non_blocking=non_blocking)
-        return inputs, targets.to(self.device, non_blocking=non_blocking)
+        return inputs, targets.to(self.device, non_blocking=non_blocking)  # a tensor, or the objective's (pairs)
 
     def _count_tokens(self, microbatches: list[Microbatch]):
         """Start the all-reduce of [valid tokens, microbatches of each rank] (one small SUM);
         return (tensor, wait)."""
         local = torch.zeros(1 + get_world_size(), dtype=torch.int64, device=self.device)
         for _, targets in microbatches:
-            local[0] += (targets != IGNORE_INDEX).sum()
+            local[0] += self.objective.count(targets)  # valid targets, or pairs (the objective says)
         # fill_, not `local[i] = n`: item assignment copies n from the host, a sync on CUDA
         local.narrow(0, 1 + get_rank(), 1).fill_(len(microbatches))
         if not is_distributed():
@@ -243,16 +254,17 @@ class Engine:
             return self.model(**inputs, **keywords)
         return self.model(inputs, **keywords)
 
-    def token_sum(self, inputs, targets: torch.Tensor, objective: Objective | None = None,
+    def token_sum(self, inputs, targets: torch.Tensor | PairTargets, objective: Objective | None = None,
                   valid_positions: torch.Tensor | None = None) -> torch.Tensor:
         """The sum of `objective` (default: the engine's) over one microbatch's valid targets, under
         this engine's precision, with the graph for backward where grad is enabled. With the chunked
         head, the model gives its hidden states and head and no (B, T, V) logits are made;
-        `valid_positions` (valid_positions_of(targets)), when known, spares a device sync."""
+        `valid_positions` (valid_positions_of(targets)), when known, spares a device sync. An
+        objective of pairs (DPO) gives its sums over the microbatch's pairs: (loss, metrics...)."""
         objective = objective if objective is not None else self.objective
         if not self.chunked_head:
             return objective.token_sum(self.forward(inputs), targets)
-        head_loss = HeadLoss(targets, objective, self._chunk_tokens(targets), valid_positions)
+        head_loss = self._head_loss(targets, objective, valid_positions)
         if self.precision not in AUTOCAST:
             return self._call_model(inputs, **{HEAD_LOSS: head_loss})
         with torch.autocast(self.device.type, dtype=AUTOCAST[self.precision]):
@@ -321,12 +333,11 @@ _NO_POSITIONS = torch.zeros(0, dtype=torch.long)
 """A filler's shape when this rank has seen no microbatch yet: one token id."""
 
 
-def _filler(inputs, targets: torch.Tensor) -> Microbatch:
-    """The smallest microbatch shaped like a real one: one token, its target ignored. Its forward and
-    backward run every collective of the strategy and add nothing to the loss or the gradient."""
+def filler_inputs(inputs):
+    """The smallest inputs shaped like a real microbatch's: one token, whose target the objective's
+    filler ignores. Its forward and backward run every collective of the strategy and add nothing to
+    the loss or the gradient."""
     if isinstance(inputs, dict):
-        inputs = {key: value[:1, :1] for key, value in inputs.items()}
-    else:
-        inputs = inputs[:1, :1]
-    return inputs, torch.full_like(targets[:1, :1], IGNORE_INDEX)
+        return {key: value[:1, :1] for key, value in inputs.items()}
+    return inputs[:1, :1]
 

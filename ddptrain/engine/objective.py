@@ -54,6 +54,18 @@ class Objective:
     z_loss: float = 0.0
     """Weight of logsumexp(logits)^2 per valid target, >= 0 (0: off)."""
 
+    sums = 1
+    """How many sums a microbatch gives (the token loss's); other objectives (DPO) add metrics' sums after it."""
+    metric_names = ()
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        """What the step's mean divides by: the microbatch's valid targets."""
+        return (targets != IGNORE_INDEX).sum()
+
+    def filler(self, targets: torch.Tensor) -> torch.Tensor:
+        """A filler microbatch's targets: one position, ignored."""
+        return torch.full_like(targets[:1, :1], IGNORE_INDEX)
+
     def __post_init__(self):
         object.__setattr__(self, "label_smoothing", _checked_number(
             "label_smoothing", self.label_smoothing, "a number in [0, 1)", lambda x: 0 <= x < 1))

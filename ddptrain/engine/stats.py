@@ -24,9 +24,11 @@ class StepStats:
     """The same numbers on every rank. Built from plain numbers, or from device tensors (the Engine)."""
 
     def __init__(self, loss=math.nan, tokens=0, grad_norm=math.nan, skipped=False, *, loss_sum=None,
-                 wait: Callable[[], None] | None = None, filler_microbatches: int = 0):
+                 wait: Callable[[], None] | None = None, filler_microbatches: int = 0, metric_names=()):
         self._loss, self._tokens, self._grad_norm, self._skipped = loss, tokens, grad_norm, skipped
-        self._loss_sum = loss_sum  # global sum of token losses, once `wait` has run
+        self._loss_sum = loss_sum  # global sum of token losses (then the metrics' sums), once `wait` has run
+        self._metric_names = tuple(metric_names)
+        self._metrics: dict[str, float] = {}
         self._wait = wait
         self._fillers = filler_microbatches
         self.forward_backward_s = 0.0
@@ -55,11 +57,25 @@ class StepStats:
         """Global mean of the objective over valid target tokens (NaN when the step had none)."""
         if self._loss_sum is None:
             return _number(self._loss)
+        self._reduced()
+        tokens = self.tokens
+        return float(self._loss_sum.reshape(-1)[0]) / tokens if tokens else math.nan
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The objective's metrics (DPO: rewards), each a global mean over the same count as the loss."""
+        if self._metric_names and not self._metrics:
+            self._reduced()
+            sums = self._loss_sum.reshape(-1)[1:].tolist()
+            self._metrics = {name: value / self.tokens if self.tokens else math.nan
+                             for name, value in zip(self._metric_names, sums)}
+        return self._metrics
+
+    def _reduced(self) -> None:
+        """Wait for the loss all-reduce (once)."""
         if self._wait is not None:
             self._wait()
             self._wait = None
-        tokens = self.tokens
-        return float(self._loss_sum) / tokens if tokens else math.nan
 
     @property
     def grad_norm(self) -> float:
@@ -81,8 +97,9 @@ class StepStats:
     def __getstate__(self) -> dict:
         """Pickled (sent between processes) as plain numbers: reading them waits for the device."""
         state = dict(self.__dict__)
-        state.update(_loss=self.loss, _loss_sum=None, _wait=None, _tokens=self.tokens,
-                     _grad_norm=_number(self._grad_norm), _skipped=self.skipped, _fillers=self.filler_microbatches)
+        state.update(_loss=self.loss, _metrics=self.metrics, _metric_names=(), _loss_sum=None, _wait=None,
+                     _tokens=self.tokens, _grad_norm=_number(self._grad_norm), _skipped=self.skipped,
+                     _fillers=self.filler_microbatches)
         return state
 
     def __repr__(self) -> str:

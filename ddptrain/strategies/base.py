@@ -193,8 +193,9 @@ class Strategy(abc.ABC):
         neutral.load_into(state, directory)
         result = set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                                 optim_state_dict=state["optimizer"], options=options)
-        if not self.save_frozen:
-            self.check_loaded(result.missing_keys, result.unexpected_keys, self.frozen_names(self.module), directory)
+        if not self.save_frozen:  # missing keys are named as the wrapper names them (DDP: "module.")
+            frozen = self.frozen_names(self.module) | self.frozen_names(self.model)
+            self.check_loaded(result.missing_keys, result.unexpected_keys, frozen, directory)
 
     def _state_options(self) -> StateDictOptions:
         # Without the frozen parameters (save_frozen False: the model's build restores them), the

@@ -26,13 +26,16 @@ from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.distributed import DistInfo, pick_device, raise_on_every_rank
 from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import Objective
+from ddptrain.engine.preference import DPOObjective
 from ddptrain.models.adapters import ModelAdapter, adapter_for
 from ddptrain.models import attention
 from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract
 from ddptrain.models.compiling import compile_model
+from ddptrain.models.lora import is_adapted
 from ddptrain.models.kernel_check import kernel_problem
 from ddptrain.strategies import check_strategy_config
 from ddptrain.train.optim import build_optimizer, build_scheduler
+from ddptrain.train.reference import Reference, frozen_copy, precompute
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ class Built:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     engine: Engine
+    reference: Reference | None = None
+    """objective=dpo: what fills each microbatch's reference log-probs before the step."""
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> None:
@@ -171,7 +176,9 @@ def optimizer_and_schedule(cfg: TrainConfig, model: nn.Module):
     return optimizer, scheduler
 
 
-def objective_of(cfg: TrainConfig) -> Objective:
+def objective_of(cfg: TrainConfig) -> Objective | DPOObjective:
+    if cfg.objective.name == "dpo":
+        return DPOObjective(beta=cfg.objective.beta, loss_type=cfg.objective.loss_type)
     return Objective(label_smoothing=cfg.objective.label_smoothing, z_loss=cfg.objective.z_loss)
 
 
@@ -271,10 +278,17 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
     if prepare is not None:
         prepare(model)
     optimizer, scheduler = optimizer_and_schedule(cfg, model)
+    # DPO's reference: the LoRA base (the adapter disabled), else the initial weights, copied before training.
+    frozen = frozen_copy(model) if cfg.objective.name == "dpo" and not is_adapted(model) else None
     engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
                     precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
                     device=run_device, objective=objective_of(cfg),
                     strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
                     save_frozen=adapter.saves_frozen_weights(spec), chunked_head=cfg.trainer.chunked_head,
                     head_chunk_tokens=cfg.trainer.head_chunk_tokens)
-    return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine)
+    reference = Reference(engine, model, frozen) if cfg.objective.name == "dpo" else None
+    if cfg.objective.precompute_reference:  # once, from the initial weights (a resume rebuilds them)
+        splits = {"train": data.train, "val": data.val}
+        data.fingerprint["reference"] = precompute(reference, splits, data.fingerprint, cfg.batch.micro_size,
+                                                   dist_info, cfg.data.cache_dir)
+    return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine, reference)

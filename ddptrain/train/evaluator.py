@@ -20,9 +20,11 @@ from ddptrain.data.global_batch import split_micro
 from ddptrain.distributed import DistInfo, all_reduce_sum
 from ddptrain.engine.engine import Engine
 from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.contract.pairs import PairTargets
 from ddptrain.engine.chunked import valid_positions_of
 from ddptrain.engine.objective import Objective
 from ddptrain.train.components import StepEnd
+from ddptrain.train.reference import Reference
 
 CROSS_ENTROPY = Objective()
 """The validation loss is the plain mean cross-entropy, whatever the training objective adds."""
@@ -32,9 +34,11 @@ log = logging.getLogger(__name__)
 
 class Evaluator:
     def __init__(self, val: TokenExamples, examples: int, micro_batch_size: int, every: int, last_step: int,
-                 dist_info: DistInfo, micro_tokens: int | None = None, engine: Engine | None = None):
+                 dist_info: DistInfo, micro_tokens: int | None = None, engine: Engine | None = None,
+                 reference: Reference | None = None):
         self.val = val
         self.engine = engine  # what `on_step_end` evaluates
+        self.reference = reference  # preference pairs: the loss is the engine's objective (DPO), over pairs
         if examples > len(val):  # not refused: the default 64 exceeds a small corpus's split, and all of it is used
             log.warning("trainer.eval_examples=%d > the %d examples of the validation split: the validation loss is "
                         "over all %d of them; lower trainer.eval_examples or give a larger validation split",
@@ -50,10 +54,11 @@ class Evaluator:
         self.rounds = max(map(len, ranks))  # the same on every rank: the longest list, fillers pad the others
 
     @classmethod
-    def from_config(cls, val: TokenExamples, cfg: TrainConfig, dist_info: DistInfo, engine: Engine) -> "Evaluator":
+    def from_config(cls, val: TokenExamples, cfg: TrainConfig, dist_info: DistInfo, engine: Engine,
+                    reference: Reference | None = None) -> "Evaluator":
         """trainer.eval_examples of `val`, every trainer.eval_every steps and the last, in the run's microbatches."""
         return cls(val, cfg.trainer.eval_examples, cfg.batch.micro_size, cfg.trainer.eval_every, cfg.trainer.max_steps,
-                   dist_info, micro_tokens=cfg.batch.micro_tokens, engine=engine)
+                   dist_info, micro_tokens=cfg.batch.micro_tokens, engine=engine, reference=reference)
 
     def _rank_microbatches(self) -> list[list[np.ndarray]]:
         """Every rank's microbatches of its strided share: micro_batch_size rows each, or the training's
@@ -90,6 +95,14 @@ class Evaluator:
             else:  # a filler: this rank's share is used up
                 inputs = torch.zeros(1, 1, dtype=torch.long)
                 targets = torch.full((1, 1), IGNORE_INDEX, dtype=torch.long)
+                if self.reference is not None:
+                    targets = PairTargets(targets, torch.full((1, 1), -1), 0, torch.zeros(0, dtype=torch.float64))
+            if self.reference is not None:  # pairs: the mean DPO loss over the validation pairs
+                [(inputs, targets)] = self.reference.fill([(inputs, targets)])
+                inputs, targets = inputs.to(device), targets.to(device)
+                sums[0] += engine.token_sum(inputs, targets)[0]
+                sums[1] += targets.pairs
+                continue
             positions = valid_positions_of(targets)  # on the host: no device sync
             inputs, targets = inputs.to(device), targets.to(device)
             sums[0] += engine.token_sum(inputs, targets, CROSS_ENTROPY, positions).double()

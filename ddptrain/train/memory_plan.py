@@ -8,7 +8,9 @@ the model is built from its config on the meta device (no weight file is opened)
 - Parameters: counted on the meta-device model (measured: the module's own tensors).
 - Activations: one forward and backward of one microbatch on the meta device, with
   `torch.autograd.graph.saved_tensors_hooks` adding up the bytes autograd keeps for backward
-  (parameters saved by reference excluded). Activation checkpointing (its own hooks replace ours
+  (parameters saved by reference excluded, a tensor saved by several operations once, and the
+  T x T probabilities of SDPA's meta decomposition left out where the real kernel is fused), through
+  the chunked head when the run uses it. Activation checkpointing (its own hooks replace ours
   inside a checkpointed block, so only the block inputs count), bf16 (the model run in bf16 on
   meta: autocast's saved copies) and LoRA (frozen base: no weight gradients) show in the figure.
   Where the meta run fails, a formula: per layer 34·B·T·d + 5·B·h·T² bytes at 2 bytes per value

@@ -219,7 +219,7 @@ class MetricsLogger:
             return
         stats = end.stats
         record = {"step": end.step, "loss": stats.loss, "tokens": stats.tokens, "lr": end.lr,
-                  "grad_norm": stats.grad_norm, **self.window.summary(), **end.counters()}
+                  "grad_norm": stats.grad_norm, **stats.metrics, **self.window.summary(), **end.counters()}
         if end.val_loss is not None:
             record["val_loss"] = end.val_loss
         self.log(record)

@@ -123,7 +123,7 @@ class Trainer:
             self.state.load_state_dict(saved)
         if self.step < cfg.trainer.max_steps:  # with nothing left to do, config.yaml stays what the run trained with
             self.run_dir.write_config()  # the launch is accepted
-        self.evaluator = Evaluator.from_config(self.built.data.val, cfg, self.dist, self.engine)
+        self.evaluator = Evaluator.from_config(self.built.data.val, cfg, self.dist, self.engine, self.built.reference)
         peak_flops = device_peak_flops(self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops)
         window = ThroughputWindow(ModelFlops.of_module(self.built.model, self.engine.chunked_head), peak_flops,
                                   self.dist.world_size)
@@ -180,6 +180,8 @@ class Trainer:
         microbatches, data_wait_s = batches.get(self.step)
         most = max(len(micro) for micro in self.train_batches.layout(self.step))
         faults = self.faults.around_step(step, self.engine.model) if self.faults else contextlib.nullcontext()
+        if self.built.reference is not None:  # objective=dpo: the reference's log-probs, without gradients
+            microbatches = self.built.reference.fill(microbatches, most)
         try:
             with faults:
                 stats = self.engine.step(microbatches, max_microbatches=most)

@@ -6,6 +6,7 @@ answers an OpenAI client; the plan reads its directory with weights in it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import sysconfig
@@ -50,10 +51,11 @@ def test_the_built_model_answers_through_its_chat_template(loaded):
     assert "Paris" in answer, answer
 
 
-def python_sources(cache: Path) -> list[str]:
+def python_sources(cache: Path, seq_len: int = 128, global_size: int = 4) -> list[str]:
     return ["data=text", f"data.paths=[{','.join(str(STDLIB / name) for name in TRAIN_FILES)}]",
             f"data.val_paths=[{','.join(str(STDLIB / name) for name in VAL_FILES)}]", f"data.cache_dir={cache}",
-            "batch.seq_len=128", "batch.global_size=4", "trainer.log_every=1", "optim.warmup_steps=1"]
+            f"batch.seq_len={seq_len}", f"batch.global_size={global_size}", "trainer.log_every=1",
+            "optim.warmup_steps=1"]
 
 
 CHUNKED = "loss: the output head and the objective on the valid targets only"
@@ -143,3 +145,35 @@ def test_the_plan_reads_the_directory_with_weights_and_counts_its_parameters(mod
     assert result.returncode == 0, result.stderr[-3000:]
     parameters = loaded[0].num_parameters()
     assert f"memory plan: {parameters:,} parameters" in result.stdout, result.stdout
+
+
+def _planned_bytes(log: str, strategy: str = "ddp") -> float:
+    """The plan's total per rank for `strategy`, from the start-up lines (e.g. "ddp ... 7.48G -")."""
+    row = next(line for line in log.splitlines() if re.search(rf"\] {strategy} +\d", line))
+    total = re.findall(r"([\d.]+)([MG])\b", row)[-1]  # weights, grads, ..., total: the last figure
+    return float(total[0]) * {"M": 2**20, "G": 2**30}[total[1]]
+
+
+def test_the_plan_predicts_the_measured_peak_of_a_full_fine_tune_within_a_quarter(model_dir, tmp_path):
+    """The start-up plan's ddp total per rank against what the run measured: on CPU its peak resident
+    set less the peak before the model was built (metrics.jsonl: peak_memory_bytes and
+    memory_baseline_bytes), after two steps (the optimizer's state exists from the first)."""
+    run_dir = tmp_path / "run"
+    result = run_cli(["model=hf", f"model.path={model_dir}", *python_sources(tmp_path / "cache", 512, 2),
+                      "batch.micro_size=2", "trainer.max_steps=2", "trainer.eval_examples=2",
+                      f"run.dir={run_dir}"], timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    planned = _planned_bytes(result.stderr)
+    last = read_metrics(run_dir)[-1]
+    measured = last["peak_memory_bytes"] - last["memory_baseline_bytes"]
+    print(f"planned {planned / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB ({planned / measured:.2f}x)")
+    assert abs(planned - measured) <= 0.25 * measured, (planned / 2**30, measured / 2**30)
+
+
+def test_the_plan_of_a_lora_run_on_the_real_model_counts_the_adapter_alone_as_training(model_dir):
+    result = subprocess.run([sys.executable, "-m", "ddptrain.plan", "model=hf", f"model.path={model_dir}",
+                             "model.lora.r=16"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"memory plan: ([\d,]+) parameters \(([\d,]+) train\)", result.stdout)
+    total, training = (int(group.replace(",", "")) for group in match.groups())
+    assert 0 < training < total / 50, (training, total)

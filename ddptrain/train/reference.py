@@ -1,0 +1,154 @@
+"""DPO's reference model: each sequence's log-probability under it, computed just before the step.
+
+The objective (ddptrain/engine/preference.py) reads the reference log-probs from the microbatch's
+PairTargets; this fills them in, without gradients, for every microbatch of the step:
+
+- LoRA (model.lora.r > 0): the policy itself with its adapter disabled (peft's `disable_adapter`),
+  called through the strategy's wrapper: the frozen base weights, no second copy in memory.
+- full fine-tuning: a frozen copy of the initial weights, taken before the strategy wraps the
+  policy, on every rank (ddp, zero1, zero2 replicate the weights too: the copy costs what one more
+  replica of the weights costs; under fsdp and zero3 it is not sharded, see docs/preference.md).
+
+With objective.precompute_reference=true they are computed once before step 1 instead, for every
+pair of both splits (spread over the ranks, summed), and kept in the data cache under a key of the
+data's and the reference weights' fingerprints; the key joins the run's input fingerprint, so a
+resume over another model is refused.
+
+The log-probs are those of the engine's forward (its precision and autocast; with its chunked head,
+the head on the valid targets only), in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+import torch
+from torch import nn
+
+from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
+from ddptrain.contract.pairs import PairTargets
+from ddptrain.data.cache import default_cache_dir
+from ddptrain.data.preference import PreferencePairs
+from ddptrain.distributed import DistInfo, all_reduce_sum, barrier
+from ddptrain.engine.engine import AUTOCAST, Engine, filler_inputs
+from ddptrain.engine.preference import PairHeadLoss, sequence_logps
+from ddptrain.models.lora import is_adapted
+
+
+log = logging.getLogger(__name__)
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s current weights that never trains (the full fine-tune's reference)."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+class Reference:
+    """Fills PairTargets.reference of microbatches: the adapter-disabled policy (`frozen` None) or a frozen copy.
+
+    It calls the module itself, not the strategy's wrapper: DDP would broadcast buffers in a forward
+    (a collective that ranks with different numbers of microbatches would not all reach)."""
+
+    def __init__(self, engine: Engine, policy: nn.Module, frozen: nn.Module | None = None):
+        if frozen is None and not is_adapted(policy):
+            raise ValueError(f"{type(policy).__name__} has no LoRA adapter to disable: give a frozen copy of the "
+                             "initial weights as the reference (full fine-tuning)")
+        self.engine = engine
+        self.model = policy if frozen is None else frozen.to(device=engine.device)
+        if frozen is not None and engine.precision == "fp64":
+            self.model = self.model.to(dtype=torch.float64)
+        self.disables_adapter = frozen is None
+        self.uses_head_loss = engine.chunked_head and takes_head_loss(self.model)
+
+    @torch.no_grad()
+    def logps(self, inputs, pairs: PairTargets) -> torch.Tensor:
+        """(S,) float64: each sequence's summed target log-probs under the reference."""
+        precision, device = self.engine.precision, self.engine.device
+        autocast = (torch.autocast(device.type, dtype=AUTOCAST[precision]) if precision in AUTOCAST
+                    else contextlib.nullcontext())
+        adapter = self.model.disable_adapter() if self.disables_adapter else contextlib.nullcontext()
+        # With the engine's chunked head, the head runs on the valid targets only: no (B, T, V) logits.
+        chunk = max(pairs.tokens.numel(), 1) if self.engine.strategy.gathers_per_module_call else \
+            self.engine.head_chunk_tokens  # ZeRO-3 gathers per head call: one chunk, as the engine does
+        keywords = {HEAD_LOSS: PairHeadLoss(pairs, None, chunk)} if self.uses_head_loss else {}
+        with adapter, autocast:
+            output = self.model(**inputs, **keywords) if isinstance(inputs, dict) else self.model(inputs, **keywords)
+        return (output if keywords else sequence_logps(logits_of(output), pairs)).double()
+
+    def fill(self, microbatches: Sequence[tuple], max_microbatches: int | None = None) -> list[tuple]:
+        """The microbatches with their reference log-probs, computed on the engine's device. Where the
+        strategy communicates in every forward (fsdp, zero3), a rank with fewer microbatches runs
+        filler forwards up to `max_microbatches`, so that every rank joins every collective."""
+        filled = []
+        device = self.engine.device
+        for inputs, pairs in microbatches:
+            if pairs.reference is None:
+                pairs = pairs.with_reference(self.logps(_on(device, inputs), pairs.to(device)))
+            filled.append((inputs, pairs))
+        if self.engine.strategy.communicates_every_microbatch and max_microbatches and filled:
+            inputs, pairs = filled[0]
+            for _ in range(max_microbatches - len(filled)):
+                self.logps(_on(device, filler_inputs(inputs)), PairTargets.empty(pairs.to(device)))
+        return filled
+
+
+def _on(device: torch.device, inputs):
+    if isinstance(inputs, dict):
+        return {key: value.to(device) for key, value in inputs.items()}
+    return inputs.to(device)
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """sha256 of the reference's weights: every parameter but a LoRA adapter's (disabled in the reference)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        if "lora_" not in name:
+            digest.update(name.encode() + param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def precompute(reference: Reference, splits: dict[str, PreferencePairs], data_inputs: dict, micro_pairs: int,
+               dist_info: DistInfo, cache_dir: str | None) -> str:
+    """Set each split's `reference` log-probs, from the cache or computed once (pairs spread over the ranks,
+    the rest of the vector zeros, summed); returns the cache key. Collective."""
+    key = hashlib.sha256(json.dumps({"data": data_inputs, "weights": weights_fingerprint(reference.model),
+                                     "precision": reference.engine.precision,
+                                     "splits": {name: len(pairs) for name, pairs in splits.items()}},
+                                    sort_keys=True, default=str).encode()).hexdigest()[:24]
+    directory = (Path(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()) / "reference"
+    for name, pairs in splits.items():
+        path = directory / f"{key}.{name}.npy"
+        if path.is_file():
+            pairs.reference = np.load(path)
+            log.info("reference: log-probs of %d %s pairs reused from %s", len(pairs), name, path)
+            continue
+        values = torch.zeros(2 * len(pairs), dtype=torch.float64, device=reference.engine.device)
+        ids = np.arange(dist_info.rank, len(pairs), dist_info.world_size)
+        rounds = -(-len(pairs) // (dist_info.world_size * micro_pairs))  # the same on every rank
+        for index in range(rounds):
+            chunk = ids[index * micro_pairs : (index + 1) * micro_pairs]
+            batch = [pairs.collate(chunk if len(chunk) else ids[:1] if len(ids) else np.arange(1))]
+            [(_, filled)] = reference.fill(batch)
+            if len(chunk):
+                seq_ids = torch.from_numpy(np.stack([2 * chunk, 2 * chunk + 1], axis=1).reshape(-1))
+                values[seq_ids.to(values.device)] = filled.reference.to(values.device)
+        all_reduce_sum(values)
+        pairs.reference = values.cpu().numpy()
+        if dist_info.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            np.save(directory / f"{key}.{name}.tmp.npy", pairs.reference)
+            os.replace(directory / f"{key}.{name}.tmp.npy", path)
+        log.info("reference: log-probs of %d %s pairs computed before step 1 into %s", len(pairs), name, path)
+    barrier()
+    return key

@@ -1,0 +1,159 @@
+"""objective=dpo through the command line: the same losses and rewards for every layout on one and
+two ranks (torchrun, gloo), and the loss after one update equal to TRL DPOTrainer's on the same pairs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from ddptrain.config.compose import compose_config
+from ddptrain.config.schema import ConfigError
+from ddptrain.config.validation import validate
+from tests.data.chats import write_jsonl
+from tests.data.pairs import random_pairs
+from tests.data.test_sft import _llama_with_chat_tokenizer
+from tests.helpers import import_optional, read_metrics, run_cli
+
+transformers = import_optional("transformers")
+SEQ = 96
+METRICS = ("loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
+DPO_RUN = ["model=hf", "data=preference", "objective=dpo", "trainer.precision=fp64", "trainer.log_every=1",
+           "trainer.max_steps=3", "optim=sgd", "optim.lr=0.5", "trainer.grad_clip=null", "trainer.eval_examples=4",
+           f"batch.seq_len={SEQ}", "batch.global_size=8"]
+
+
+def test_dpo_and_preference_data_go_together_and_dpo_keys_need_dpo():
+    with pytest.raises(ConfigError, match="objective=dpo with data=stdlib: objective=dpo trains on preference pairs"):
+        validate(compose_config(["objective=dpo"]), 1)
+    with pytest.raises(ConfigError, match="objective=token with data=preference"):
+        validate(compose_config(["data=preference", "data.paths=[p.jsonl]"]), 1)
+    with pytest.raises(ConfigError, match=r"objective.beta=0.5 is read only when objective.name is dpo"):
+        validate(compose_config(["objective.beta=0.5"]), 1)
+    with pytest.raises(ConfigError, match=r"objective.loss_type='hinge' is not one of sigmoid, ipo"):
+        validate(compose_config(["objective=dpo", "data=preference", "data.paths=[p.jsonl]",
+                                 "objective.loss_type=hinge"]), 1)
+    cfg = compose_config(["objective=dpo", "data=preference", "data.paths=[p.jsonl]"])
+    validate(cfg, 1)
+    assert OmegaConf.to_container(cfg.objective) == {"name": "dpo", "label_smoothing": 0.0, "z_loss": 0.0,
+                                                     "beta": 0.1, "loss_type": "sigmoid",
+                                                     "precompute_reference": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_dpo_is_exact_over_layouts_ranks_budgets_packing_and_resume(tmp_path, lora):
+    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", random_pairs(48, seed=11, conversational=True))
+    val = write_jsonl(tmp_path / "val.jsonl", random_pairs(6, seed=12, conversational=True))
+    base = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
+            f"data.cache_dir={tmp_path / 'cache'}", *(["model.lora.r=4"] if lora else [])]
+    layouts = {"1x8": (1, ["batch.micro_size=8"]), "2x2": (2, ["batch.micro_size=2"]),
+               "2 ranks, budget": (2, [f"batch.micro_tokens={2 * SEQ}"]),
+               "packed": (1, ["batch.pack=true", "batch.micro_size=1"]),
+               "2 ranks, packed, budget": (2, ["batch.pack=true", f"batch.micro_tokens={4 * SEQ}"])}
+    curves, outputs = {}, {}
+    for name, (ranks, options) in layouts.items():
+        run_dir = tmp_path / name.replace(" ", "").replace(",", "_")
+        if name == "2x2":  # two steps, then a re-run with three resumes from the final checkpoint
+            first = run_cli([*base, *options, "trainer.max_steps=2", f"run.dir={run_dir}"], nproc=ranks)
+            assert first.returncode == 0, first.stderr[-3000:]
+        result = run_cli([*base, *options, f"run.dir={run_dir}"], nproc=ranks)
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[name], outputs[name] = read_metrics(run_dir), result.stderr
+    assert "resumed from" in outputs["2x2"]
+    reference = curves["1x8"]
+    assert reference[0]["loss"] == pytest.approx(math.log(2), rel=1e-12), "step 1: the policy is the reference"
+    assert reference[2]["loss"] != reference[0]["loss"] and reference[2]["reward_margin"] != 0, "it trained"
+    for name, curve in curves.items():
+        assert [m["step"] for m in curve] == [1, 2, 3], name
+        for mine, ref in zip(curve, reference):
+            assert mine["tokens"] == ref["tokens"] == 8, (name, "pairs per step")
+            for key in METRICS:
+                assert math.isclose(mine[key], ref[key], rel_tol=1e-9, abs_tol=1e-12), (name, key, mine[key], ref[key])
+        assert math.isclose(curve[-1]["val_loss"], reference[-1]["val_loss"], rel_tol=1e-9), name
+
+
+# -- against the peer: TRL's DPOTrainer ------------------------------------------------------------
+
+
+def _trl_loss_after_one_update(model_dir, records, lora: bool, loss_type: str, lr: float, seed: int, tmp_path):
+    """TRL DPOTrainer's own loss of the 8 pairs after one SGD update on them (fp32, no clipping): the
+    model is the one ddptrain's build gives (the same base, the same LoRA initialisation)."""
+    datasets = import_optional("datasets")
+    trl = import_optional("trl")
+    from ddptrain.train.builder import build_model
+
+    overrides = ["model=hf", f"model.path={model_dir}", f"run.seed={seed}", f"batch.seq_len={SEQ}",
+                 *(["model.lora.r=4"] if lora else [])]
+    cfg = compose_config(overrides)
+    model, _, _ = build_model(cfg, 600, torch.device("cpu"), "fp32")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, max_steps=2,
+                         learning_rate=lr, optim="sgd", lr_scheduler_type="constant", warmup_steps=0,
+                         max_grad_norm=0.0, weight_decay=0.0, beta=0.1, loss_type=[loss_type], logging_steps=1,
+                         max_length=None, report_to=[], save_strategy="no", bf16=False, use_cpu=True, seed=seed,
+                         dataloader_drop_last=False)
+    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=tokenizer)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses[1]  # step 2's loss: the same 8 pairs after one update
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_the_loss_after_one_update_is_trl_dpo_trainers(tmp_path, lora, loss_type):
+    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
+    records = random_pairs(8, seed=21, conversational=True)
+    path = write_jsonl(tmp_path / "pairs.jsonl", records)
+    lr = 2.0 if loss_type == "sigmoid" else 0.002
+    run_dir = tmp_path / "run"
+    result = run_cli(["model=hf", f"model.path={model_dir}", "data=preference", "objective=dpo",
+                      f"objective.loss_type={loss_type}", f"data.paths=[{path}]", f"data.val_paths=[{path}]",
+                      f"data.cache_dir={tmp_path / 'cache'}", "optim=sgd", f"optim.lr={lr}", "trainer.grad_clip=null",
+                      "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_examples=8", f"batch.seq_len={SEQ}",
+                      "batch.global_size=8", "batch.micro_size=8", "run.seed=5", f"run.dir={run_dir}",
+                      *(["model.lora.r=4"] if lora else [])])
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = read_metrics(run_dir)[1]["loss"]
+    theirs = _trl_loss_after_one_update(model_dir, records, lora, loss_type, lr, 5, tmp_path)
+    first = read_metrics(run_dir)[0]["loss"]
+    print(f"\n{'LoRA' if lora else 'full'} {loss_type}: loss before {first:.6f}, after one update: ddptrain "
+          f"{ours:.8f}, TRL DPOTrainer {theirs:.8f}, relative difference {abs(ours - theirs) / abs(theirs):.2e}")
+    assert abs(ours - first) > 1e-3 * abs(first), "the update changed the loss"
+    assert math.isclose(ours, theirs, rel_tol=1e-5)
+
+
+@pytest.mark.slow
+def test_precomputed_reference_log_probs_give_the_same_run_survive_a_resume_and_refuse_another_model(tmp_path):
+    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", random_pairs(24, seed=13, conversational=True))
+    val = write_jsonl(tmp_path / "val.jsonl", random_pairs(4, seed=14, conversational=True))
+    base = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
+            f"data.cache_dir={tmp_path / 'cache'}", "model.lora.r=4", "batch.micro_size=2"]
+    each_step = run_cli([*base, f"run.dir={tmp_path / 'each_step'}"], nproc=2)
+    assert each_step.returncode == 0, each_step.stderr[-3000:]
+    precomputed = [*base, "objective.precompute_reference=true"]
+    first = run_cli([*precomputed, "trainer.max_steps=2", f"run.dir={tmp_path / 'pre'}"], nproc=2)
+    assert first.returncode == 0 and "computed before step 1" in first.stderr, first.stderr[-3000:]
+    resumed = run_cli([*precomputed, f"run.dir={tmp_path / 'pre'}"], nproc=2)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert "reused from" in resumed.stderr and "computed before step 1" not in resumed.stderr
+    for mine, ref in zip(read_metrics(tmp_path / "pre"), read_metrics(tmp_path / "each_step"), strict=True):
+        for key in (*METRICS, "val_loss"):
+            # Step 1's rewards are 0 up to rounding (policy = reference, computed in other batch shapes):
+            # which of two zeros is larger is noise.
+            if key in ref and not (key == "reward_accuracy" and mine["step"] == 1):
+                assert math.isclose(mine[key], ref[key], rel_tol=1e-9, abs_tol=1e-12), (mine["step"], key)
+    other = _llama_with_chat_tokenizer(tmp_path / "other")  # other weights: the same files, rescaled head
+    model = transformers.AutoModelForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)
+    model.save_pretrained(model_dir)
+    refused = run_cli([*precomputed, "trainer.max_steps=4", f"run.dir={tmp_path / 'pre'}"], nproc=2)
+    assert refused.returncode != 0 and "the run's inputs differ from the checkpoint's: data.reference: " in \
+        refused.stderr, refused.stderr[-3000:]
