@@ -54,8 +54,8 @@ class TrainerConfig:
     """Packed rows' per-document attention: auto | gather | varlen | flex | mask (ddptrain/models/attention.py)."""
     chunked_head: bool = True
     """Output head + loss on the valid targets only, in chunks, no (B, T, V) logits, where the model can (docs/models.md)."""
-    head_chunk_tokens: int = 1024
-    """Rows per chunk of the chunked head: its logits are head_chunk_tokens x vocabulary at a time."""
+    head_chunk_tokens: Optional[int] = None
+    """Rows per chunk of the chunked head (null: as many as keep a chunk's fp32 logits within 64 MiB: 341 at V = 49,152)."""
 
 
 @dataclass

@@ -72,7 +72,7 @@ _READ_ONLY_WHEN = (
 does): a key set away from its default where the run never reads it is refused, not ignored."""
 
 _POSITIVE = (
-    "trainer.max_steps", "trainer.log_every", "trainer.eval_examples", "trainer.head_chunk_tokens",
+    "trainer.max_steps", "trainer.log_every", "trainer.eval_examples",
     "batch.global_size", "batch.micro_size", "batch.seq_len", "dist.timeout_s",
 )
 
@@ -104,6 +104,9 @@ def _validate_values(cfg: Any, world_size: int) -> int:
         value = _get(cfg, key)
         if not value > 0:
             raise ConfigError(f"{key}={value!r} must be > 0")
+    if cfg.trainer.head_chunk_tokens is not None and not cfg.trainer.head_chunk_tokens > 0:
+        raise ConfigError(f"trainer.head_chunk_tokens={cfg.trainer.head_chunk_tokens!r} must be > 0 or null (chunks of "
+                          "at most 64 MiB of fp32 logits)")
     if cfg.optim.decay_steps is not None and not cfg.optim.decay_steps > 0:
         raise ConfigError(f"optim.decay_steps={cfg.optim.decay_steps!r} must be > 0 or null (trainer.max_steps)")
     for key in ("trainer.eval_every", "optim.warmup_steps", "checkpoint.every"):

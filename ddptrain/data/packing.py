@@ -129,6 +129,14 @@ def best_fit_decreasing(ids: np.ndarray, sizes: np.ndarray, capacity: int) -> li
     return [np.asarray(row, dtype=np.int64) for row in rows]
 
 
+def pack_into_rows(ids: np.ndarray, sizes: np.ndarray, capacity: int, min_rows: int = 1) -> list[np.ndarray]:
+    """Best-fit decreasing of whole units (`sizes` positions each) into rows of at most `capacity`,
+    narrower where that makes at least `min_rows` rows (the world size: every rank gets a row)."""
+    if min_rows > 1 and len(sizes):
+        capacity = min(capacity, max(int(sizes.max()), -(-int(sizes.sum()) // min_rows)))
+    return best_fit_decreasing(ids, sizes, capacity)
+
+
 class ConversationRows:
     """Whole examples (conversations with a target mask) packed into rows of at most seq_len positions."""
 
@@ -141,11 +149,7 @@ class ConversationRows:
         """The rows of these examples (a step's global batch), each an array of example ids; rows are
         narrower than seq_len where that makes at least `min_rows` of them (the world size), so that
         a step of few short conversations still gives every rank a row."""
-        sizes = self.positions[ids]
-        capacity = self.seq_len
-        if min_rows > 1 and len(sizes):
-            capacity = min(capacity, max(int(sizes.max()), -(-int(sizes.sum()) // min_rows)))
-        return best_fit_decreasing(ids, sizes, capacity)
+        return pack_into_rows(ids, self.positions[ids], self.seq_len, min_rows)
 
     def width(self, row: np.ndarray) -> int:
         return int(self.positions[row].sum())

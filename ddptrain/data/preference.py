@@ -29,7 +29,7 @@ from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.data.cache import BuildProgress, TokenWriter
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import TokenExamples, assign_splits
-from ddptrain.data.packing import best_fit_decreasing, packed_batch
+from ddptrain.data.packing import pack_into_rows, packed_batch
 from ddptrain.data.sft import _messages, records
 from ddptrain.data.sources import DataError, SplitNames, TextDecoder, is_validation
 
@@ -271,8 +271,9 @@ class PairRows:
         self.pairs = pairs
         self.capacity = 2 * seq_len
 
-    def pack(self, ids: np.ndarray) -> list[np.ndarray]:
-        return best_fit_decreasing(ids, self.pairs.positions[ids], self.capacity)
+    def pack(self, ids: np.ndarray, min_rows: int = 1) -> list[np.ndarray]:
+        """As ConversationRows.pack: rows narrower where that gives every rank a row."""
+        return pack_into_rows(ids, self.pairs.positions[ids], self.capacity, min_rows)
 
     def width(self, row: np.ndarray) -> int:
         return int(self.pairs.positions[row].sum())

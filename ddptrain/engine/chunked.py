@@ -26,25 +26,30 @@ from torch.utils.checkpoint import checkpoint
 from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.engine.objective import Objective
 
+CHUNK_LOGITS_BYTES = 64 * 2**20
+"""The default chunk: as many rows as keep its fp32 logits within 64 MiB (341 rows at V = 49,152, 110 at
+151,936), so that the chunk's logits, their softmax and gradients stay small beside the model whatever
+its vocabulary; a (rows, D) x (D, V) matmul of that size still runs at full speed (Liger's fused
+linear cross-entropy sizes its chunks the same way, logits about the size of the hidden states)."""
 DEFAULT_CHUNK_TOKENS = 1024
-"""Rows per chunk: the chunk's fp32 logits are 1024 x V (200 MB at V = 49,152), small beside a model
-with such a vocabulary, and a (1024, D) x (D, V) matmul is still large enough to run at full speed."""
+"""Rows per chunk where the head does not say its vocabulary (a callable that is not a Linear)."""
+MIN_CHUNK_TOKENS = 16
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 
 
 def head_token_sum(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objective: Objective | None = None,
-                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS, valid_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   chunk_tokens: int | None = None, valid_positions: torch.Tensor | None = None) -> torch.Tensor:
     """objective.token_sum(head(hidden), targets), without ever holding more than one chunk's logits.
 
     hidden: (..., D), the last hidden states; targets: (...), -100 where ignored; head: any callable
     from (N, D) to (N, V) logits (an nn.Linear, a tied embedding's weight in F.linear, a LoRA-wrapped
-    Linear); objective: None for plain cross-entropy. The sum is in at least float32, as
+    Linear); objective: None for plain cross-entropy; chunk_tokens: rows per chunk (None: `chunk_rows`). The sum is in at least float32, as
     Objective.token_sum's (bf16 or fp16 logits are upcast per chunk). `valid_positions`: the flat
     indices of the valid targets (`valid_positions_of(targets)`), computed where the targets were
     made (on the host): then nothing here waits for the device.
     """
-    check_chunk_tokens(chunk_tokens)
+    chunk_tokens = check_chunk_tokens(chunk_tokens) or chunk_rows(getattr(head, "out_features", None))
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden states of shape {tuple(hidden.shape)} must be the targets' shape "
                          f"{tuple(targets.shape)} plus one hidden dimension")
@@ -66,11 +71,20 @@ def head_token_sum(hidden: torch.Tensor, head: Head, targets: torch.Tensor, obje
     return pieces[0] if len(pieces) == 1 else torch.stack(pieces).sum()
 
 
-def check_chunk_tokens(chunk_tokens) -> int:
-    """`chunk_tokens` if it is a positive int, else a ValueError naming it and the rule."""
+def check_chunk_tokens(chunk_tokens) -> int | None:
+    """`chunk_tokens` if it is a positive int or None (the default), else a ValueError naming it and the rule."""
+    if chunk_tokens is None:
+        return None
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, numbers.Integral) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens {chunk_tokens!r} must be a positive int")
+        raise ValueError(f"chunk_tokens {chunk_tokens!r} must be a positive int (or None: the default)")
     return int(chunk_tokens)
+
+
+def chunk_rows(vocab_size: int | None) -> int:
+    """The default rows per chunk for a head of `vocab_size` outputs (CHUNK_LOGITS_BYTES); None: unknown."""
+    if not vocab_size:
+        return DEFAULT_CHUNK_TOKENS
+    return max(MIN_CHUNK_TOKENS, CHUNK_LOGITS_BYTES // (4 * int(vocab_size)))
 
 
 def valid_positions_of(targets: torch.Tensor) -> torch.Tensor:
@@ -85,7 +99,7 @@ class HeadLoss:
     pass it on as it is."""
 
     def __init__(self, targets: torch.Tensor, objective: Objective | None = None,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, valid_positions: torch.Tensor | None = None):
+                 chunk_tokens: int | None = None, valid_positions: torch.Tensor | None = None):
         self.targets, self.objective = targets, objective
         self.chunk_tokens, self.valid_positions = chunk_tokens, valid_positions
 

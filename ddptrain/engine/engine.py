@@ -24,7 +24,7 @@ from ddptrain.distributed import any_rank, get_rank, get_world_size, init_distri
 from ddptrain.engine.loss_scale import DynamicLossScale
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
 from ddptrain.contract.pairs import PairTargets
-from ddptrain.engine.chunked import DEFAULT_CHUNK_TOKENS, HeadLoss, check_chunk_tokens, valid_positions_of
+from ddptrain.engine.chunked import HeadLoss, check_chunk_tokens, valid_positions_of
 from ddptrain.engine.objective import Objective
 from ddptrain.engine.stats import PhaseClock, StepStats
 from ddptrain.strategies import Strategy, build_strategy
@@ -59,7 +59,7 @@ class Engine:
             optimizer state only; `load` then expects them absent.
         chunked_head: where the model follows the head-loss protocol (ddptrain/contract/outputs.py),
             compute head + objective on the valid targets only, `head_chunk_tokens` rows at a time
-            (ddptrain/engine/chunked.py): the same sums without the (B, T, V) logits. False, or a
+            (None: chunks of at most 64 MiB of fp32 logits; ddptrain/engine/chunked.py): the same sums without the (B, T, V) logits. False, or a
             model without the protocol: the objective on the full logits.
     """
 
@@ -78,7 +78,7 @@ class Engine:
         objective: Objective | None = None,
         save_frozen: bool = True,
         chunked_head: bool = True,
-        head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        head_chunk_tokens: int | None = None,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -198,7 +198,7 @@ class Engine:
             return None
         return dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, async_op=True).wait
 
-    def _chunk_tokens(self, targets: torch.Tensor) -> int:
+    def _chunk_tokens(self, targets: torch.Tensor) -> int | None:
         """head_chunk_tokens; one chunk of the whole microbatch where each head call is a collective
         (ZeRO-3: ranks hold different counts of valid targets, so chunks of a fixed size would make
         different counts of gathers): the head still runs on valid targets only."""

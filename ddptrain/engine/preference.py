@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ddptrain.contract.pairs import PairTargets
 from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.engine.chunked import chunk_rows
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 """The sums `DPOObjective.pair_sums` returns after the loss, each a global mean over the step's pairs."""
@@ -125,7 +126,7 @@ class DPOObjective:
         """pair_sums from the policy's (B, T, V) logits: the Engine's name for a microbatch's sums."""
         return self.pair_sums(sequence_logps(logits, pairs), pairs)
 
-    def head_loss(self, pairs: PairTargets, chunk_tokens: int) -> "PairHeadLoss":
+    def head_loss(self, pairs: PairTargets, chunk_tokens: int | None) -> "PairHeadLoss":
         """The head-loss callable (ddptrain/contract/outputs.py) giving pair_sums without the (B, T, V) logits."""
         return PairHeadLoss(pairs, self, chunk_tokens)
 
@@ -133,7 +134,8 @@ class DPOObjective:
 Head = Callable[[torch.Tensor], torch.Tensor]
 
 
-def head_sequence_logps(hidden: torch.Tensor, head: Head, pairs: PairTargets, chunk_tokens: int) -> torch.Tensor:
+def head_sequence_logps(hidden: torch.Tensor, head: Head, pairs: PairTargets,
+                        chunk_tokens: int | None = None) -> torch.Tensor:
     """sequence_logps(head(hidden), pairs) from the last hidden states (B, T, D): the head runs on the valid
     targets only, chunk_tokens rows at a time, each chunk's logits recomputed in backward (as
     ddptrain/engine/chunked.py does for token sums): no (B, T, V) tensor."""
@@ -141,6 +143,7 @@ def head_sequence_logps(hidden: torch.Tensor, head: Head, pairs: PairTargets, ch
     valid = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
     valid_hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, valid)  # (N_valid, D)
     valid_targets = flat_targets.index_select(0, valid)
+    chunk_tokens = chunk_tokens or chunk_rows(getattr(head, "out_features", None))
     chunks = zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))
     pieces = [checkpoint(_head_logps, h, head, t, use_reentrant=False) if torch.is_grad_enabled() else
               _head_logps(h, head, t) for h, t in chunks]
@@ -156,7 +159,7 @@ class PairHeadLoss:
     """head_loss(hidden, head) for pairs: the objective's pair sums (objective None: the sequences'
     log-probs, for the reference). A plain class: wrappers (DDP) pass it on as it is."""
 
-    def __init__(self, pairs: PairTargets, objective: DPOObjective | None, chunk_tokens: int = 1024):
+    def __init__(self, pairs: PairTargets, objective: DPOObjective | None, chunk_tokens: int | None = None):
         self.pairs, self.objective, self.chunk_tokens = pairs, objective, chunk_tokens
 
     def __call__(self, hidden: torch.Tensor, head: Head) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ddptrain.config.schema import ConfigError, TrainConfig
 from ddptrain.config.validation import strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.distributed import DistInfo, pick_device, raise_on_every_rank
+from ddptrain.engine.chunked import chunk_rows
 from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import Objective
 from ddptrain.engine.preference import DPOObjective
@@ -127,7 +128,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None =
         why_not = adapter.use_head_loss(model)
         if why_not is None:
             log.info("loss: the output head and the objective on the valid targets only, %d rows at a time "
-                     "(trainer.chunked_head): no (B, T, V) logits", cfg.trainer.head_chunk_tokens)
+                     "(trainer.chunked_head): no (B, T, V) logits", cfg.trainer.head_chunk_tokens
+                     or chunk_rows(_head_outputs(model)))
         else:
             log.info("loss: on the full logits (trainer.chunked_head=true, but %s)", why_not)
     if cfg.trainer.activation_checkpointing:
@@ -135,6 +137,12 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None =
     if cfg.trainer.compile:
         compile_model(model)  # after the adapter's eager checks
     return model, spec, adapter
+
+
+def _head_outputs(model: nn.Module) -> int | None:
+    """The output head's width (its vocabulary), where the head says it: the default chunk's size."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "head", None)
+    return getattr(head, "out_features", None)
 
 
 def use_packed_attention(cfg: TrainConfig, adapter: ModelAdapter, model: nn.Module, device: torch.device,
@@ -192,10 +200,10 @@ def validate_run(cfg: TrainConfig, world_size: int) -> int:
     """`validate` (the config's own rules), then the strategy's rules on its section (ZeRO: the
     DeepSpeed config ddptrain derives, against strategy.deepspeed); returns the accumulation steps.
     Both fail as a ConfigError before the process group or the run dir exists."""
+    cfg.run.dir = os.path.expanduser(cfg.run.dir)  # as every other path key: '~/runs/x' is in the home directory
     cfg = copy.deepcopy(cfg)  # validated as it will run; the run resolves and says its own layout
     resolve_layout(cfg)
     accumulation = validate(cfg, world_size)
-    cfg.run.dir = os.path.expanduser(cfg.run.dir)  # as every other path key: '~/runs/x' is in the home directory
     try:
         check_strategy_config(cfg.strategy.name, world_size=world_size, grad_clip=cfg.trainer.grad_clip,
                               **strategy_options(cfg.strategy), **step_layout(cfg, world_size))

@@ -34,7 +34,7 @@ from torch import nn
 from ddptrain.config.choices import PRECISION_DTYPES, STRATEGY_NAMES
 from ddptrain.config.schema import TrainConfig
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
-from ddptrain.engine.chunked import HeadLoss
+from ddptrain.engine.chunked import HeadLoss, chunk_rows
 from ddptrain.models.gpt import GPT
 from ddptrain.engine.objective import token_loss_sum
 from ddptrain.strategies import strategy_class
@@ -296,5 +296,6 @@ def plan_for_config(cfg: TrainConfig, world_size: int,
                     deepspeed=dict(options.get("deepspeed", {}) or {}))
     counts = count_model(model, block_class_names(model), micro_rows, batch.seq_len, cfg.trainer.precision,
                          vocab_size, checkpointed=bool(cfg.trainer.activation_checkpointing),
-                         head_chunk_tokens=cfg.trainer.head_chunk_tokens if cfg.trainer.chunked_head else None)
+                         head_chunk_tokens=(cfg.trainer.head_chunk_tokens or chunk_rows(vocab_size))
+                         if cfg.trainer.chunked_head else None)
     return plan_strategies(counts, layout), counts, layout

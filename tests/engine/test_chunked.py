@@ -217,11 +217,22 @@ def test_the_peak_stays_below_one_valid_logits_tensor():
 # -- arguments ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk_tokens", [0, -3, 2.0, True, None])
+@pytest.mark.parametrize("chunk_tokens", [0, -3, 2.0, True])
 def test_chunk_tokens_must_be_a_positive_int(chunk_tokens):
     hidden, head, targets = _case("ragged")
     with pytest.raises(ValueError, match=f"chunk_tokens {chunk_tokens!r} must be a positive int"):
         head_token_sum(hidden, head, targets, chunk_tokens=chunk_tokens)
+
+
+def test_the_default_chunk_keeps_its_logits_within_64_mib_whatever_the_vocabulary():
+    from ddptrain.engine.chunked import CHUNK_LOGITS_BYTES, chunk_rows
+
+    assert chunk_rows(49_152) == 341 and chunk_rows(151_936) == 110
+    for vocab in (256, 49_152, 151_936, 10**7):
+        assert chunk_rows(vocab) * vocab * 4 <= max(CHUNK_LOGITS_BYTES, 16 * vocab * 4)
+    hidden, head, targets = _case("all")  # 27 valid targets; VOCAB outputs: one default chunk holds them all
+    chunked = head_token_sum(hidden, head, targets)
+    assert torch.allclose(chunked, _full(hidden, head, targets, Objective()), rtol=1e-12, atol=0)
 
 
 def test_hidden_states_must_match_the_targets():
