@@ -103,6 +103,12 @@ def choice_length(choice: str) -> int:
     return len(choice.encode("utf-8"))
 
 
+def item_hits(item: Item, lls: np.ndarray) -> tuple[bool, bool]:
+    """(acc, acc_norm) of one item from its choices' log-likelihoods, in choice order (ties: the first)."""
+    lengths = np.asarray([choice_length(choice) for choice in item.choices], dtype=np.float64)
+    return bool(np.argmax(lls) == item.label), bool(np.argmax(lls / lengths) == item.label)
+
+
 @dataclass(frozen=True)
 class Row:
     """One (item, choice) to score: `tokens` the whole sequence, the last `scored` of them the choice's."""
@@ -143,7 +149,7 @@ def collate(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
-def loglikelihoods(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def row_loglikelihoods(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(B,) sum over each row's valid targets of log p(target) (float64), from (B, T, V) logits."""
     token = -F.cross_entropy(logits.float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
     return token.double().sum(dim=1)
@@ -195,10 +201,14 @@ class TaskScorer:
     def on_fit_end(self, step: int) -> None:
         pass
 
-    @torch.no_grad()
     def score(self, forward: Forward, model: torch.nn.Module | None = None) -> dict[str, float]:
         """Collective: {"eval/<task>/acc": ..., "eval/<task>/acc_norm": ...}. `model` (the one `forward`
         runs) is put in eval mode for the scoring and back in train mode after."""
+        return self._counts(self.loglikelihoods(forward, model))
+
+    @torch.no_grad()
+    def loglikelihoods(self, forward: Forward, model: torch.nn.Module | None = None) -> np.ndarray:
+        """Collective: the log-likelihood of each of this rank's rows (`self.rows`), in their order."""
         device = self.dist.device
         scores = np.zeros(len(self.rows))
         training = model.training if model is not None else False
@@ -212,10 +222,10 @@ class TaskScorer:
                 ids = np.zeros(0, dtype=np.int64)
                 inputs, targets = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX)
             logits = forward(inputs.to(device))  # (B, L, V)
-            scores[ids] = loglikelihoods(logits, targets.to(device))[: len(ids)].cpu().numpy()
+            scores[ids] = row_loglikelihoods(logits, targets.to(device))[: len(ids)].cpu().numpy()
         if model is not None and training:
             model.train()
-        return self._counts(scores)
+        return scores
 
     def _counts(self, scores: np.ndarray) -> dict[str, float]:
         """Per task (acc hits, acc_norm hits, items), summed over the ranks."""
@@ -224,11 +234,8 @@ class TaskScorer:
         for index, row in enumerate(self.rows):
             by_item.setdefault((row.task, row.item), []).append(index)
         for (task, item_id), indices in by_item.items():
-            item = self.tasks[task].items[item_id]
-            lls = scores[indices]  # in choice order: rows_of appends an item's choices in turn
-            lengths = np.asarray([choice_length(choice) for choice in item.choices], dtype=np.float64)
-            counts[task] += torch.tensor([float(np.argmax(lls) == item.label),
-                                          float(np.argmax(lls / lengths) == item.label), 1.0], dtype=torch.float64)
+            hits = item_hits(self.tasks[task].items[item_id], scores[indices])  # rows_of keeps the choice order
+            counts[task] += torch.tensor([*hits, 1.0], dtype=torch.float64)
         counts = all_reduce_sum(counts.to(self.dist.device)).cpu()
         result = {}
         for task, (acc, acc_norm, items) in zip(self.tasks, counts.tolist()):

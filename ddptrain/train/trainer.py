@@ -156,6 +156,8 @@ class Trainer:
         for name, part in (("early_stopping", self.stopping), ("best", self.best)):
             if part is not None:
                 part.load_state_dict(evaluation.get(name))
+        if self._stopped_early():
+            log.info("this run stopped at step %d and trains no further (%s)", self.step, self.stopping.stopped)
         self.trackers = trackers_from_config(cfg, self.step if saved else None)
 
     def _fingerprint_inputs(self, saved: dict) -> None:
