@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddptrain.config.evaluation import task_name
@@ -35,7 +36,7 @@ from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.data.batches import budget_microbatches
 from ddptrain.data.global_batch import split_micro
 from ddptrain.data.sources import DataError
-from ddptrain.distributed import DistInfo, all_reduce_sum
+from ddptrain.distributed import DistInfo, all_reduce_sum, is_distributed
 from ddptrain.train.components import StepEnd
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ def row_loglikelihoods(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 class TaskScorer:
-    """The tasks' acc and acc_norm, the same on any world size; a component on the evaluator's schedule."""
+    """The tasks' acc and acc_norm, the same on any world size; a component on the evaluator's schedule.
+    Collective to build: the ranks agree on the number of forwards (the most microbatches of any rank)."""
 
     def __init__(self, tasks: list[Task], encode: Encode, dist_info: DistInfo, max_length: int,
                  micro_batch_size: int, micro_tokens: int | None = None, render: Callable[[str], str] | None = None,
@@ -165,14 +167,14 @@ class TaskScorer:
         self.dist = dist_info
         self.should_run = should_run
         self.engine = engine  # what `on_step_end` scores (ddptrain.engine.Engine: its forward, its precision)
-        ranks = [self._rows(rank, encode, max_length, render) for rank in range(dist_info.world_size)]
-        self.rows = ranks[dist_info.rank]
-        lengths = [np.asarray([len(row.tokens) - 1 for row in rows], dtype=np.int64) for rows in ranks]
-        ids = [np.arange(len(rows)) for rows in ranks]
-        micro = [split_micro(i, micro_batch_size) if micro_tokens is None else budget_microbatches(i, n, micro_tokens)
-                 for i, n in zip(ids, lengths)]
-        self.microbatches = micro[dist_info.rank]
-        self.rounds = max(map(len, micro))  # the same on every rank: fillers pad the shorter lists
+        self.rows = self._rows(dist_info.rank, encode, max_length, render)  # collective: the rounds
+        ids, lengths = np.arange(len(self.rows)), np.asarray([len(row.tokens) - 1 for row in self.rows], dtype=np.int64)
+        self.microbatches = split_micro(ids, micro_batch_size) if micro_tokens is None else \
+            budget_microbatches(ids, lengths, micro_tokens)
+        rounds = torch.tensor([len(self.microbatches)], device=dist_info.device)
+        if is_distributed():
+            dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+        self.rounds = int(rounds)  # the same on every rank: fillers pad the shorter lists
 
     def _rows(self, rank: int, encode: Encode, max_length: int, render) -> list[Row]:
         rows = []
@@ -214,7 +216,7 @@ class TaskScorer:
         training = model.training if model is not None else False
         if model is not None:
             model.eval()
-        for index in range(self.rounds):
+        for index in range(self.rounds):  # every rank as many forwards: sharded strategies gather in each
             if index < len(self.microbatches):
                 ids = self.microbatches[index]
                 inputs, targets = collate([self.rows[i] for i in ids])

@@ -244,7 +244,7 @@ def test_the_plot_draws_task_accuracy_in_a_third_panel(hf_run):
 # -- any layout, any strategy ---------------------------------------------------------------------
 
 
-LAYOUTS = [(1, "ddp"), (2, "ddp"), (2, "fsdp"), (2, "zero2"), (2, "zero3")]
+LAYOUTS = [(1, "ddp"), (2, "ddp"), (2, "fsdp"), (2, "zero1"), (2, "zero2"), (2, "zero3")]
 
 
 @pytest.fixture(scope="module")
