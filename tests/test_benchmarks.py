@@ -185,3 +185,9 @@ def test_packed_memory_benchmark_prints_the_dense_mask_beside_the_default_backen
     # 4x the tokens: the dense mask's step grows with T^2 (its (B, 1, T, T) mask dominates at this
     # width: 16x), the boundaries' with T (the gather buffers and the activations: 4x)
     assert mask_long / mask_short > 6 and auto_long / auto_short < 5 and auto_long < mask_long, out
+
+
+def test_eval_benchmark_prints_task_time_per_token_beside_the_validation_loss():
+    out = _run("benchmarks.bench_eval", "--items", "8", "--val-examples", "4", "--rounds", "1", "--max-docs", "20")
+    assert out.startswith("benchmarks.bench_eval: default GPT on cpu"), out
+    assert "validation loss" in out and "\ntasks " in out and "(target <= 1)" in out, out
