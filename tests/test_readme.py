@@ -102,6 +102,8 @@ COMMANDS = {
     "python -m ddptrain.plot runs/a runs/b -o loss.png --labels A B":
         "tests/train/test_observability.py::test_plot_command_draws_one_line_per_run",
     "python docs/loss_layouts.py": "not run: trains four 60-step runs (minutes) to redraw docs/loss_layouts.png",
+    "python -m benchmarks.bench_eval --items 500":
+        "tests/test_benchmarks.py::test_eval_benchmark_prints_task_time_per_token_beside_the_validation_loss",
     "pip install 'ddptrain[trackers]'": "not run: installs packages (the test extra includes tensorboard and mlflow)",
     "python -m ddptrain logger.tensorboard=true logger.mlflow.tracking_uri=file:./mlruns":
         "tests/train/test_trackers.py::test_tensorboard_holds_every_logged_step_of_loss_once_across_a_resume",
