@@ -26,8 +26,8 @@ from ddptrain.models.hf import TOKENIZER_FILES
 from ddptrain.models.spec import ModelError
 from ddptrain.runs.rundir import MANAGED, managing_run
 from ddptrain.runs.store import CheckpointError
-from ddptrain.runs.weights import (TrainedWeights, checkpoint_tokenizer_files, find_weights, load_trained,
-                                  save_tokenizer_files)
+from ddptrain.runs.weights import (FINAL, WHICH, TrainedWeights, checkpoint_tokenizer_files, find_weights,
+                                  load_trained, save_tokenizer_files)
 
 
 class ExportError(RuntimeError):
@@ -35,14 +35,15 @@ class ExportError(RuntimeError):
 
 
 def export(run_dir: str | Path, out_dir: str | Path, merge: bool = False,
-           weights: TrainedWeights | None = None) -> Path:
+           weights: TrainedWeights | None = None, which: str = FINAL) -> Path:
     """Write the run's model (final weights, else the newest checkpoint's) to `out_dir`; return it.
     `merge`: a LoRA run's adapter folded into the base weights (else its adapter directory); a run
     that trained every weight exports the same with or without it. `weights`: the run's, where the
-    caller has found them already (ddptrain.runs.weights.find_weights), so they are read once."""
+    caller has found them already (ddptrain.runs.weights.find_weights), so they are read once.
+    `which`: "best" exports best/ (checkpoint.keep_best) instead."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     check_paths(run_dir, out_dir)
-    weights = find_weights(run_dir) if weights is None else weights
+    weights = find_weights(run_dir, which) if weights is None else weights
     model = load_trained(weights)
     if lora.is_adapted(model):
         hf_model = lora.merge(model) if merge else model  # a PeftModel saves its adapter directory
@@ -120,10 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA run: fold the adapter into the base weights (a plain transformers directory) "
                              "instead of writing the PEFT adapter directory; other runs: no difference")
+    parser.add_argument("--which", choices=WHICH, default=FINAL,
+                        help="final/ (default; the newest checkpoint without it) or best/ (checkpoint.keep_best)")
     args = parser.parse_args(argv)
     try:
         check_paths(args.run_dir, args.out_dir)  # before the weights are looked for, as export does
-        weights = find_weights(args.run_dir)
+        weights = find_weights(args.run_dir, args.which)
         out_dir = export(args.run_dir, args.out_dir, merge=args.merge, weights=weights)
     except (ExportError, FileNotFoundError, CheckpointError, ModelError) as error:
         print(f"export error: {error}", file=sys.stderr)

@@ -2,8 +2,10 @@
 
 Two panels, loss against optimizer step and against valid training tokens seen; each run is one
 solid line (training loss) in its own colour, with its validation loss as dashed markers of the
-same colour. Runs are named by their directory's name, or by --labels. It reads only
-`<run_dir>/metrics.jsonl`, so it also works on runs copied from a cluster.
+same colour; runs that scored multiple-choice tasks (trainer.eval_tasks) get a third panel, each
+task's acc (solid) and acc_norm (dotted) against the step. Runs are named by their directory's
+name, or by --labels. It reads only `<run_dir>/metrics.jsonl`, so it also works on runs copied
+from a cluster.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def make_figure(run_dirs: list[str | Path], labels: list[str] | None = None, tit
     labels = list(labels) if labels else [Path(run).resolve().name for run in run_dirs]
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} run dirs: give one label per run dir")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    for index, (run, label) in enumerate(zip(run_dirs, labels)):
-        rows = read_run(run)
+    runs = [read_run(run) for run in run_dirs]
+    task_keys = sorted({key for rows in runs for row in rows for key in row if key.startswith("eval/")})
+    fig, axes = plt.subplots(1, 3 if task_keys else 2, figsize=(18 if task_keys else 12, 4.5), constrained_layout=True)
+    for index, (rows, label) in enumerate(zip(runs, labels)):
         color = f"C{index % 10}"
         x_by_axis = ([row["step"] for row in rows], _tokens_seen(rows))
         for ax, xs in zip(axes, x_by_axis):
@@ -59,6 +62,16 @@ def make_figure(run_dirs: list[str | Path], labels: list[str] | None = None, tit
             if val:
                 ax.plot([p[0] for p in val], [p[1] for p in val], color=color, linestyle="--", marker="o",
                         markersize=4, label=f"{label} (val)")
+        for key in task_keys:
+            points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+            if points:
+                axes[2].plot([p[0] for p in points], [p[1] for p in points], color=color, marker=".",
+                             linestyle=":" if key.endswith("acc_norm") else "-", label=f"{label} {key[5:]}")
+    if task_keys:
+        axes[2].set_xlabel("optimizer step")
+        axes[2].set_ylabel("task accuracy")
+        axes[2].grid(alpha=0.3)
+        axes[2].legend(fontsize="small")
     for ax, xlabel in zip(axes, ("optimizer step", "valid training tokens")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss (global mean over valid tokens)")

@@ -218,3 +218,9 @@ def test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop():
     assert lines[3].startswith("SmolLM2-135M (V 49,152)") and figures[-5:-3] == ["x", "128"], out
     ours, theirs, ratio = (float(value.replace(",", "")) for value in figures[-3:])
     assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, abs=0.01), out
+
+
+def test_eval_benchmark_prints_task_time_per_token_beside_the_validation_loss():
+    out = _run("benchmarks.bench_eval", "--items", "8", "--val-examples", "4", "--rounds", "1", "--max-docs", "20")
+    assert out.startswith("benchmarks.bench_eval: default GPT on cpu"), out
+    assert "validation loss" in out and "\ntasks " in out and "(target <= 1)" in out, out

@@ -112,6 +112,22 @@ COMMANDS = {
     "python -m ddptrain.plot runs/a runs/b -o loss.png --labels A B":
         "tests/train/test_observability.py::test_plot_command_draws_one_line_per_run",
     "python docs/loss_layouts.py": "not run: trains four 60-step runs (minutes) to redraw docs/loss_layouts.png",
+    "python -m benchmarks.bench_eval --items 500":
+        "tests/test_benchmarks.py::test_eval_benchmark_prints_task_time_per_token_beside_the_validation_loss",
+    "pip install 'ddptrain[trackers]'": "not run: installs packages (the test extra includes tensorboard and mlflow)",
+    "python -m ddptrain logger.tensorboard=true logger.mlflow.tracking_uri=file:./mlruns":
+        "tests/train/test_trackers.py::test_tensorboard_holds_every_logged_step_of_loss_once_across_a_resume",
+    "python -m ddptrain.evaluate runs/mine tasks/arc_easy.jsonl tasks/hellaswag.jsonl":
+        "tests/train/test_tasks.py::"
+        "test_the_evaluate_command_prints_the_same_numbers_for_a_run_and_a_transformers_directory",
+    "python -m ddptrain.evaluate ~/models/SmolLM2-135M-Instruct tasks/arc_easy.jsonl --chat-template":
+        "tests/train/test_tasks.py::test_the_evaluate_command_wraps_contexts_in_the_chat_template",
+    "python scripts/task_jsonl.py arc_easy  ~/data/ai2_arc_easy_test tasks/arc_easy.jsonl":
+        "tests/train/test_tasks.py::test_a_locally_saved_harness_data_set_converts_to_a_task_file",
+    "python scripts/task_jsonl.py hellaswag ~/data/hellaswag_validation tasks/hellaswag.jsonl":
+        "tests/train/test_tasks.py::test_a_locally_saved_harness_data_set_converts_to_a_task_file",
+    "python scripts/task_jsonl.py fields DATA OUT.jsonl --context question --choices options --label answer":
+        "tests/train/test_tasks.py::test_a_locally_saved_harness_data_set_converts_to_a_task_file",
     "sbatch --gpus-per-node=8 launch/single_node.sbatch trainer.max_steps=1000 strategy=zero2":
         "not run: needs GPU nodes; tests/system/test_slurm.py submits the same template to CPU nodes",
     "sbatch --nodes=4 --gpus-per-node=8 launch/multi_node.sbatch trainer.max_steps=1000 strategy=zero2":

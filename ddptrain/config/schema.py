@@ -29,6 +29,18 @@ class RunConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    metric: Optional[str] = None
+    """val_loss or a logged eval metric (eval/<task>/acc, eval/<task>/acc_norm); null: no early stopping."""
+    mode: Optional[str] = None
+    """min | max; null: inferred (val_loss: min, eval/*/acc*: max)."""
+    patience: int = 3
+    """Stop after this many evaluations in a row without an improvement."""
+    min_delta: float = 0.0
+    """An improvement must beat the best so far by more than this (>= 0)."""
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 200
     """Optimizer steps to train."""
@@ -56,6 +68,12 @@ class TrainerConfig:
     """Output head + loss on the valid targets only, in chunks, no (B, T, V) logits, where the model can (docs/models.md)."""
     head_chunk_tokens: Optional[int] = None
     """Rows per chunk of the chunked head (null: as many as keep a chunk's fp32 logits within 64 MiB: 341 at V = 49,152)."""
+    eval_tasks: list = field(default_factory=list)
+    """Multiple-choice task files (JSONL: {"context", "choices", "label"} a line) scored at every eval step."""
+    eval_chat_template: bool = False
+    """Wrap each task context in the tokenizer's chat template as a user turn (chat models)."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Stop when an evaluated metric stops improving (trainer.early_stopping.metric null: never)."""
 
 
 @dataclass
@@ -258,8 +276,23 @@ class WandbConfig:
 
 
 @dataclass
+class MLflowConfig:
+    tracking_uri: Optional[str] = None
+    """MLflow tracking store: a local file: or sqlite: URI, or a server's http(s) URL; null: no MLflow."""
+    experiment: str = "ddptrain"
+    """MLflow experiment name."""
+    run_name: Optional[str] = None
+    """MLflow run name (default: the run dir's name)."""
+    log_final: bool = False
+    """Log final/ as the run's artifact at the end."""
+
+
+@dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: bool = False
+    """Write every metrics.jsonl key as a TensorBoard scalar under run.dir/tensorboard/ (and the config as text)."""
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
     progress: str = "auto"
     """Rank-0 console: auto (a bar on a terminal, log lines otherwise) | bar | lines."""
     peak_flops: Optional[float] = None
@@ -291,6 +324,8 @@ class CheckpointConfig:
     collective) exits instead of waiting to be SIGKILLed (torchrun waits 30 s)."""
     preempt_exit_code: int = 75
     """Exit code after a preemption checkpoint (EX_TEMPFAIL): the job should be restarted."""
+    keep_best: Optional[str] = None
+    """Keep the weights of the best evaluated step by this metric (val_loss, eval/<task>/acc...) in run.dir/best/."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddptrain.config import choices
+from ddptrain.config.evaluation import validate_evaluation
 from ddptrain.config.layout import BatchLayout, rows_vary
 from ddptrain.config.schema import (MODEL_SCHEMAS, ConfigError, DataConfig, ObjectiveConfig, OptimConfig, TrainConfig,
                                     WandbConfig)
@@ -129,6 +130,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     if cfg.logger.peak_flops is not None and not cfg.logger.peak_flops > 0:
         raise ConfigError(f"logger.peak_flops={cfg.logger.peak_flops!r} must be > 0 or null (from the device table)")
     _validate_checkpoint(cfg.checkpoint)
+    validate_evaluation(cfg)
     _validate_strategy(cfg.strategy, cfg.trainer.precision, world_size)
     _validate_attention(cfg.trainer, cfg.batch.pack)
     _validate_model(cfg.model)

@@ -28,7 +28,7 @@ from ddptrain.fsutil import describe_write_error, fsync_dir, fsync_file, make_di
 from ddptrain.runs import store
 from ddptrain.runs.lock import LOCK, RunDirError, RunDirLock, RunDirLocked
 from ddptrain.runs.resume import check_config, defaults_of, log_applied, model_defaults
-from ddptrain.runs.weights import FINAL, SPEC_FILE, final_dir
+from ddptrain.runs.weights import BEST, FINAL, SPEC_FILE, final_dir
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,9 @@ class RunDir:
             newer = [(saved, path) for saved, path in store.list_checkpoints(self.path) if saved > step]
             final_step = self.final_step()
             final = [self.final] if final_step is not None and final_step > step else []
+            best = self.path / BEST  # the best of steps this run will evaluate again
+            if (best / SPEC_FILE).is_file() and json.loads((best / SPEC_FILE).read_text()).get("step", 0) > step:
+                final.append(best)
             try:
                 if newer or final:
                     target = move_abandoned_aside(self.path, [path for _, path in newer] + final)
@@ -179,7 +182,8 @@ class RunDir:
                                 "continues from (an abandoned trajectory's, or ones that did not verify): moved to "
                                 "%s (nothing was deleted); checkpoint.resume=auto never resumes them",
                                 ", ".join(str(saved) for saved, _ in newer) or "none",
-                                f" and final/ of step {final_step}" if final else "", step, target)
+                                (f" and final/ of step {final_step}" if self.final in final else "")
+                                + (" and best/" if best in final else ""), step, target)
             except RunDirError as caught:  # nothing moved, or each piece named (_move_together)
                 error = caught
             except OSError as caught:  # listing them
@@ -234,7 +238,7 @@ def _is_inside(path: Path, directory: Path) -> bool:
 
 
 PREVIOUS_RUN_FILES = ("checkpoints", "final", "servable", METRICS_FILE, CONFIG_FILE, LOG_FILE, "wandb",
-                      ".failpoints")
+                      ".failpoints", BEST, "servable-best", "tensorboard", "mlflow.json")
 
 
 def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:

@@ -11,6 +11,9 @@
                                EOS and end-of-turn token, data=tokens' data.eod_token; none for text)
         config.json ...        model=hf: the directory is exactly a transformers save_pretrained one
 
+`best/` (checkpoint.keep_best) has the same format and holds the weights of the best evaluated step;
+`load_model(run_dir, which="best")`, the export and serving read it by the same name.
+
 It is written under a temporary name and renamed into place, so a reader sees the old or the new
 weights, never a mix. ddptrain_model.json is its marker: it holds a sha256 of every other file,
 which `verify_final` checks (a rerun of the training command rebuilds a final/ that does not
@@ -40,6 +43,9 @@ from ddptrain.runs import store as ckpt
 log = logging.getLogger(__name__)
 
 FINAL = "final"
+BEST = "best"
+WHICH = (FINAL, BEST)
+"""The weights a run directory names: final/ (else the newest checkpoint), or best/."""
 SPEC_FILE = "ddptrain_model.json"
 CHAT_TEMPLATE = "chat_template.jinja"
 # WEIGHTS_FILE, model.safetensors, is imported from the adapters: they write and read it.
@@ -51,15 +57,15 @@ def final_dir(run_dir: str | Path) -> Path:
 
 def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, torch.Tensor], spec: ModelSpec,
                step: int, tokenizer_files: Mapping[str, Path], checkpoint_sha256: str | None = None,
-               data: Mapping | None = None) -> Path:
+               data: Mapping | None = None, name: str = FINAL) -> Path:
     """Write `final/` (rank 0). `module` is the unwrapped model (for model=hf its save_pretrained);
     `tokenizer_files`: name in final/ -> source (ModelAdapter.tokenizer_files). `data`, the run's
     data section, says the chat template and the tokens that end what the model writes; None: the
     one in RUN_DIR/config.yaml, when there is one. `checkpoint_sha256`, the sha256 of the
     COMPLETE.json of the checkpoint these weights are, tells a later launch at this step whether
-    final/ is its run's (Checkpointer.final_is_current)."""
-    final = final_dir(run_dir)
-    tmp = final.with_name(f".tmp-{FINAL}")
+    final/ is its run's (Checkpointer.final_is_current). `name`: best/ is written the same way."""
+    final = Path(run_dir) / name
+    tmp = final.with_name(f".tmp-{name}")
     if tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed while writing
     tmp.mkdir(parents=True)
@@ -72,7 +78,7 @@ def save_final(run_dir: str | Path, module: nn.Module, state_dict: dict[str, tor
         if path.is_file():
             with open(path, "rb+") as handle:
                 os.fsync(handle.fileno())
-    old = final.with_name(f".old-{FINAL}")
+    old = final.with_name(f".old-{name}")
     replace_dir(tmp, final, aside=old)  # one atomic exchange where the OS can
     shutil.rmtree(old, ignore_errors=True)
     return final
@@ -196,12 +202,16 @@ def verify_final(directory: Path) -> dict:
     return meta
 
 
-def weights_dir(run_dir: str | Path) -> Path:
+def weights_dir(run_dir: str | Path, which: str = FINAL) -> Path:
     """`final/` when it is there, else the newest complete checkpoint; a clear error if neither,
-    or if final/ does not verify (naming the file, and how to rebuild it)."""
+    or if final/ does not verify (naming the file, and how to rebuild it). which="best": best/."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
+    if which not in WHICH:
+        raise ValueError(f"which={which!r} is not one of {', '.join(WHICH)}")
+    if which == BEST:
+        return _best_dir(run_dir)
     final = final_dir(run_dir)
     if (final / SPEC_FILE).is_file():
         try:
@@ -215,6 +225,15 @@ def weights_dir(run_dir: str | Path) -> Path:
         raise FileNotFoundError(f"{run_dir} holds no trained weights: no {FINAL}/ and no complete checkpoint "
                                 "(was the run started with this run.dir?)")
     return latest
+
+
+def _best_dir(run_dir: Path) -> Path:
+    best = run_dir / BEST
+    if not (best / SPEC_FILE).is_file():
+        raise FileNotFoundError(f"{run_dir} holds no {BEST}/ weights: train with checkpoint.keep_best=METRIC "
+                                "(val_loss, eval/<task>/acc, ...) and at least one evaluation")
+    verify_final(best)
+    return best
 
 
 @dataclass(frozen=True)
@@ -231,20 +250,21 @@ class TrainedWeights:
 
     @property
     def is_final(self) -> bool:
-        return self.directory.name == FINAL
+        """final/ or best/ (final/'s format), not a checkpoint."""
+        return self.trainer_state is None
 
 
-def find_weights(run_dir: str | Path) -> TrainedWeights:
-    """The run's weights (`weights_dir`: final/, else the newest complete checkpoint), with a
+def find_weights(run_dir: str | Path, which: str = FINAL) -> TrainedWeights:
+    """The run's weights (`weights_dir`: final/, else the newest complete checkpoint; or best/), with a
     checkpoint's trainer state; a CheckpointError names a trainer.pt that cannot be read."""
-    directory = weights_dir(run_dir)
-    return TrainedWeights(directory, None if directory.name == FINAL else ckpt.load_trainer_state(directory))
+    directory = weights_dir(run_dir, which)
+    return TrainedWeights(directory, None if directory.name in WHICH else ckpt.load_trainer_state(directory))
 
 
-def load_model(run_dir: str | Path) -> nn.Module:
+def load_model(run_dir: str | Path, which: str = FINAL) -> nn.Module:
     """The trained model of a run: eval mode, on CPU, with the weights of `final/` (or of the newest
-    complete checkpoint while the run has no final weights yet)."""
-    return load_trained(find_weights(run_dir))
+    complete checkpoint while the run has no final weights yet); which="best": of `best/`."""
+    return load_trained(find_weights(run_dir, which))
 
 
 def load_trained(weights: TrainedWeights) -> nn.Module:

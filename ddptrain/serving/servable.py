@@ -86,9 +86,10 @@ def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / "config.yaml").is_file()
 
 
-def servable_dir(path: str | Path) -> Path:
+def servable_dir(path: str | Path, which: str = "final") -> Path:
     """The directory to serve for `path`: a transformers directory as it is, or RUN_DIR/servable/,
-    made (or remade when the run's weights changed) from a run directory."""
+    made (or remade when the run's weights changed) from a run directory; which="best": its best/
+    weights (checkpoint.keep_best), in RUN_DIR/servable-best/."""
     path = Path(path)
     if not path.is_dir():
         raise ServableError(f"{path}: no such directory (expected a ddptrain run directory or a transformers "
@@ -98,7 +99,7 @@ def servable_dir(path: str | Path) -> Path:
             raise ServableError(f"{path} has no tokenizer.json: text cannot be turned into the model's ids "
                                 "(save the tokenizer beside the model with tokenizer.save_pretrained)")
         return path
-    return _from_run(path)
+    return _from_run(path, which)
 
 
 def _source_stamp(weights) -> dict:
@@ -137,15 +138,15 @@ def _is_current(out: Path, stamp: dict) -> bool:
     return True
 
 
-def _from_run(run_dir: Path) -> Path:
+def _from_run(run_dir: Path, which: str = "final") -> Path:
     from ddptrain.export import ExportError, export
     from ddptrain.models.spec import ModelError
     from ddptrain.runs.store import CheckpointError
     from ddptrain.runs.weights import find_weights
 
-    out = run_dir / SERVABLE
+    out = run_dir / (SERVABLE if which == "final" else f"{SERVABLE}-{which}")
     try:
-        weights = find_weights(run_dir)  # verified and read once: the stamp and the export are of the same files
+        weights = find_weights(run_dir, which)  # verified and read once: the stamp and the export are of the same files
         stamp = _source_stamp(weights)
     except (FileNotFoundError, CheckpointError) as error:  # no weights, a damaged file or a moved tokenizer
         raise ServableError(str(error)) from None
@@ -155,14 +156,14 @@ def _from_run(run_dir: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{SERVABLE}.", dir=run_dir))
     try:
         try:
-            export(run_dir, staging / "model", merge=True, weights=weights)  # a LoRA run serves its merged weights
+            export(run_dir, staging / "model", merge=True, weights=weights, which=which)  # a LoRA run serves its merged weights
         except (ExportError, CheckpointError, ModelError) as error:  # a custom model, a damaged final/
             raise ServableError(f"{run_dir} cannot be served: {error}") from None
         model_dir = staging / "model"
         if not (model_dir / "tokenizer.json").is_file():
             _add_run_tokenizer(run_dir, model_dir)
         (model_dir / MARKER).write_text(json.dumps({**stamp, "own": _own_files(model_dir)}))
-        old = run_dir / f".{SERVABLE}.old"
+        old = run_dir / f".{out.name}.old"
         if out.exists():
             shutil.rmtree(old, ignore_errors=True)
             out.replace(old)

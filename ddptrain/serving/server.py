@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
     parser.add_argument("--allow-unauthenticated", action="store_true",
                         help="serve a non-loopback --host without an API key")
+    parser.add_argument("--which", choices=("final", "best"), default="final",
+                        help="a run directory's final/ (default) or best/ weights (checkpoint.keep_best)")
     args = parser.parse_args(argv)
     if not 0 < args.max_request_mb < float("inf"):
         print(f"serve error: --max-request-mb={args.max_request_mb} must be a finite number of MiB > 0",
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(levelname)s] %(message)s", datefmt="%H:%M:%S")
     quiet_transformers()
     try:
-        directory = servable_dir(args.path)
+        directory = servable_dir(args.path, args.which)
         generator = Generator(directory, max_active=args.max_active, max_queue=args.max_queue, device=args.device,
                               kv_cache_mb=args.kv_cache_mb)
     except (ServableError, FileNotFoundError, ValueError) as error:

@@ -24,7 +24,7 @@ from ddptrain.fsutil import describe_write_error, sha256_file
 from ddptrain.runs import store as ckpt
 from ddptrain.runs.resume import SCHEDULE_KEYS, check_base_weights, reset_learning_rate
 from ddptrain.runs.rundir import RunDir
-from ddptrain.runs.weights import save_final, verify_final
+from ddptrain.runs.weights import BEST, FINAL, save_final, verify_final
 from ddptrain.train.builder import Built, decay_steps
 from ddptrain.train.components import StepEnd
 from ddptrain.train.faults import FaultInjector
@@ -191,26 +191,36 @@ class Checkpointer:
     def save_final(self, step: int) -> Path:
         """Collective: gathers the full weights (every strategy) and rank 0 writes run.dir/final/."""
         self.wait()
-        path = self.run_dir.final
         if self.final_is_current(step):  # a relaunch with nothing left to do, after this run's final/
-            return path
+            return self.run_dir.final
+        return self.write_weights(step, FINAL)
+
+    def save_best(self, step: int) -> Path:
+        """Collective: this step's full weights into run.dir/best/ (checkpoint.keep_best)."""
+        self.wait()
+        return self.write_weights(step, BEST)
+
+    def write_weights(self, step: int, name: str) -> Path:
+        """Collective: gathers the full weights (every strategy); rank 0 writes run.dir/`name`/ (final/'s format)."""
+        path = self.run_dir.path / name
         built, cfg = self.built, self.cfg
         state = built.engine.model_state_dict(trainable_only=not built.adapter.saves_frozen_weights(built.spec))  # LoRA
         error = None
         if is_rank_zero():
             try:
-                _check_finite(state, step, "final weights are not written and the previous ones are kept")
+                _check_finite(state, step, f"{name} weights are not written and the previous ones are kept")
                 files = built.adapter.tokenizer_files(OmegaConf.to_container(cfg.model, resolve=True),
                                                       cfg.data.tokenizer)
                 path = save_final(self.run_dir.path, built.model, state, built.spec, step, files,
                                   checkpoint_sha256=self._checkpoint_sha256(step),
-                                  data=OmegaConf.to_container(cfg.data, resolve=True))
-                log.info("final weights of step %d saved in %s (ddptrain.load_model(%r) reads them)",
-                         step, path, str(self.run_dir.path))
+                                  data=OmegaConf.to_container(cfg.data, resolve=True), name=name)
+                if name == FINAL:
+                    log.info("final weights of step %d saved in %s (ddptrain.load_model(%r) reads them)",
+                             step, path, str(self.run_dir.path))
             except FloatingPointError as caught:
                 error = caught
             except OSError as caught:
-                error = ckpt.CheckpointError(f"final weights of step {step} could not be written: "
+                error = ckpt.CheckpointError(f"{name} weights of step {step} could not be written: "
                                              f"{describe_write_error(caught, path)}")
         raise_on_every_rank(error, ckpt.CheckpointError)
         return path

@@ -36,6 +36,14 @@ class StepEnd:
     """The trainer's running counters for a metrics line (tokens seen, skipped steps, ...), read when called."""
     val_loss: float | None = None
     """Set by the evaluator on its steps."""
+    evals: dict = field(default_factory=dict)
+    """Other evaluated metrics of this step by name (eval/<task>/acc, ...), set by the task scorer on its steps."""
+    stop: str | None = None
+    """Set by early stopping: why the run ends after this step."""
+    improved: bool = False
+    """Set by the best weights' tracker: this step is the best evaluated so far."""
+    record: dict | None = None
+    """Set by the metrics logger on its steps: the metrics.jsonl line, for the trackers after it."""
     saved: Path | None = None
     """Set by the checkpointer on its steps: the checkpoint of this step."""
 

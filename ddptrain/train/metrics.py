@@ -222,7 +222,9 @@ class MetricsLogger:
                   "grad_norm": stats.grad_norm, **stats.metrics, **self.window.summary(), **end.counters()}
         if end.val_loss is not None:
             record["val_loss"] = end.val_loss
+        record.update(end.evals)  # eval/<task>/acc, ...: the task scorer's
         self.log(record)
+        end.record = record  # for the trackers after this component
 
     def on_fit_end(self, step: int) -> None:
         pass
@@ -252,10 +254,10 @@ class MetricsLogger:
             self._file = None
         if self._wandb_run is not None:
             run, self._wandb_run = self._wandb_run, None
-            run.finish(exit_code=_exit_code_of_current_exception() if exit_code is None else exit_code)
+            run.finish(exit_code=exit_code_of_current_exception() if exit_code is None else exit_code)
 
 
-def _exit_code_of_current_exception() -> int:
+def exit_code_of_current_exception() -> int:
     """The code the process is leaving with: a SystemExit's own (75 after a preemption checkpoint, 2
     after a reported bad input), 1 for any other exception, 0 when none is being raised. Called in a
     `finally`, where sys.exc_info() is the exception on its way out."""
@@ -278,6 +280,7 @@ def format_line(metrics: dict, step_suffix: str = "") -> str:
     for key, fmt in _FORMATS:
         if metrics.get(key) is not None:
             parts.append(f"{key} " + fmt.format(metrics[key]))
+    parts += [f"{key} {value:.3f}" for key, value in metrics.items() if key.startswith("eval/") and value is not None]
     if metrics.get("step_time_s") is not None:
         split = "/".join(f"{metrics.get(key) or 0:.3f}" for key in TIME_SPLIT)
         parts.append(f"step {metrics['step_time_s']:.3f}s (data/fwd-bwd/comm/optim {split})")

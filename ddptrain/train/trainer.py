@@ -4,8 +4,11 @@
     builder       data, model (through its adapter), optimizer, schedule, engine (train/builder.py)
     components    evaluator, metrics, checkpointer: asked after every step (train/components.py)
       evaluator     validation loss                                       (train/evaluator.py)
+      tasks         multiple-choice task accuracy                         (train/tasks.py)
+      stopping      early stopping and best/ weights                      (train/early_stopping.py)
       metrics       metrics.jsonl, console, wandb, throughput             (train/metrics.py)
       checkpointer  checkpoints on their schedule, resume, final weights  (train/checkpointer.py)
+      trackers      TensorBoard, MLflow                                   (train/trackers.py)
     preemption    signals -> checkpoint at the next step boundary        (train/preemption.py)
     faults        failpoints for the crash tests, only when set         (train/faults.py)
 
@@ -35,12 +38,16 @@ from ddptrain.runs.rundir import RunDir
 from ddptrain.train import builder
 from ddptrain.train.checkpointer import Checkpointer
 from ddptrain.train.components import Component, StepEnd
+from ddptrain.train.early_stopping import BestWeights, EarlyStopping
 from ddptrain.train.evaluator import Evaluator
 from ddptrain.train.faults import FaultInjector
 from ddptrain.train.flops import ModelFlops, device_peak_flops
-from ddptrain.train.metrics import MetricsLogger, ThroughputWindow, peak_memory_bytes
+from ddptrain.train.metrics import (MetricsLogger, ThroughputWindow, exit_code_of_current_exception,
+                                   peak_memory_bytes)
 from ddptrain.train.preemption import Preempted, PreemptionWatcher
 from ddptrain.train.summary import log_summary
+from ddptrain.train.tasks import TaskScorer
+from ddptrain.train.trackers import trackers_from_config
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +89,10 @@ class Trainer:
         self.evaluator: Evaluator | None = None
         self.metrics: MetricsLogger | None = None
         self.preemption: PreemptionWatcher | None = None
+        self.tasks: TaskScorer | None = None
+        self.stopping: EarlyStopping | None = None
+        self.best: BestWeights | None = None
+        self.trackers: list = []
         self.components: list[Component] = []  # asked after every step, in this order
         self._unread: list[tuple[int, StepStats]] = []
         self.fingerprint: dict = {}
@@ -132,10 +143,27 @@ class Trainer:
         self.preemption = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device,
                                             grace_s=cfg.checkpoint.preempt_grace_s,
                                             check_every=cfg.checkpoint.preempt_check_every)
-        # The order is what each leaves for the next: the eval's loss goes into the metrics line.
-        self.components = [self.evaluator, self.metrics, self.checkpointer]
+        self._build_evaluation(saved)
+        # The order is what each leaves for the next: the eval's numbers go to the stopping rules and
+        # the metrics line, the metrics line to the trackers.
+        evaluation = [part for part in (self.tasks, self.stopping, self.best) if part is not None]
+        self.components = [self.evaluator, *evaluation, self.metrics, self.checkpointer, *self.trackers]
         log_summary(cfg, self.dist, self.built, self.metrics, self.step, sampled=self.train_batches.examples)
         return self
+
+    def _build_evaluation(self, saved: dict) -> None:
+        """Task scoring, early stopping, best/ and the trackers; stopping and best/ resume their state."""
+        cfg = self.cfg
+        self.tasks = TaskScorer.from_config(cfg, self.dist, self.engine, self.evaluator.should_run)
+        self.stopping = EarlyStopping.from_config(cfg)
+        self.best = BestWeights.from_config(cfg, self.checkpointer.save_best)
+        evaluation = saved.get("evaluation", {}) if saved else {}
+        for name, part in (("early_stopping", self.stopping), ("best", self.best)):
+            if part is not None:
+                part.load_state_dict(evaluation.get(name))
+        if self._stopped_early():
+            log.info("this run stopped at step %d and trains no further (%s)", self.step, self.stopping.stopped)
+        self.trackers = trackers_from_config(cfg, self.step if saved else None)
 
     def _fingerprint_inputs(self, saved: dict) -> None:
         """The run's inputs beyond its config (model=hf's config.json, the corpus), for checkpoints;
@@ -157,7 +185,7 @@ class Trainer:
         says, off the preemption watchdog's clock, and the preemption decides whether the ranks stop."""
         max_steps = self.cfg.trainer.max_steps
         with Prefetcher(self.train_batches, max_steps, pin_memory_available(self.dist.device)) as batches:
-            while self.step < max_steps:
+            while self.step < max_steps and not self._stopped_early():
                 end = self._train_step(batches)
                 self.preemption.at_step_end(end, saves=self.checkpointer.saves(end.step))  # before the saves
                 read = any(component.reads(end) for component in self.components)
@@ -169,8 +197,20 @@ class Trainer:
                         component.on_step_end(end)
                 if self.preemption.stops(end):
                     self._preempt(end)
+                if end.stop:
+                    self._stop_early(end)
         for component in self.components:
             component.on_fit_end(self.step)
+
+    def _stopped_early(self) -> bool:
+        return self.stopping is not None and self.stopping.stopped is not None
+
+    def _stop_early(self, end: StepEnd) -> None:
+        """Checkpoint this step (its state says the run stopped, so a relaunch trains no further); the
+        loop then ends and final/ is written as at trainer.max_steps."""
+        if end.saved is None:
+            self.checkpointer.save(self.step, last=True)
+        log.info("%s; the run ends at step %d of %d", end.stop, self.step, self.cfg.trainer.max_steps)
 
     def _train_step(self, batches: Prefetcher) -> StepEnd:
         """Engine.step on this rank's microbatches, with the step named in any collective failure
@@ -248,6 +288,8 @@ class Trainer:
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "model_spec": self.built.spec.to_dict(),
             "fingerprint": self.fingerprint,  # compared on resume (ddptrain/runs/fingerprint.py)
+            "evaluation": {"early_stopping": self.stopping.state_dict() if self.stopping else None,
+                           "best": self.best.state_dict() if self.best else None},
         }
 
     # -- close ---------------------------------------------------------------------------------
@@ -259,6 +301,10 @@ class Trainer:
             self.built.engine = None  # drop the wrapped model before the process group is destroyed
         if self.evaluator is not None:
             self.evaluator.engine = None
+        if self.tasks is not None:
+            self.tasks.engine = None
         if self.metrics is not None:
             self.metrics.close()
+        for tracker in self.trackers:
+            tracker.close(exit_code_of_current_exception())
         self.run_dir.close()  # the lock and train.log
