@@ -65,7 +65,7 @@ class TrainerConfig:
     attention: str = "auto"
     """Packed rows' per-document attention: auto | gather | varlen | flex | mask (ddptrain/models/attention.py)."""
     chunked_head: bool = True
-    """Output head + loss on the valid targets only, in chunks, no (B, T, V) logits, where the model can (docs/models.md)."""
+    """Output head + loss on the valid targets only, in chunks, no (B, T, V) logits, where the model can (docs/architecture.md)."""
     head_chunk_tokens: Optional[int] = None
     """Rows per chunk of the chunked head (null: as many as keep a chunk's fp32 logits within 64 MiB: 341 at V = 49,152)."""
     eval_tasks: list = field(default_factory=list)

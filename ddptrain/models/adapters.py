@@ -95,7 +95,7 @@ class ModelAdapter:
         when its forward takes head_loss=."""
         if takes_head_loss(model):
             return None
-        return f"{type(model).__name__}.forward takes no head_loss= (the head-loss protocol: docs/models.md)"
+        return f"{type(model).__name__}.forward takes no head_loss= (the head-loss protocol: docs/architecture.md)"
 
     def head_layout(self, model: nn.Module) -> HeadLayout:
         """The heads its attention layers call the packed-attention kernel with, for the start-up
