@@ -200,10 +200,10 @@ def validate_run(cfg: TrainConfig, world_size: int) -> int:
     """`validate` (the config's own rules), then the strategy's rules on its section (ZeRO: the
     DeepSpeed config ddptrain derives, against strategy.deepspeed); returns the accumulation steps.
     Both fail as a ConfigError before the process group or the run dir exists."""
-    cfg.run.dir = os.path.expanduser(cfg.run.dir)  # as every other path key: '~/runs/x' is in the home directory
-    cfg = copy.deepcopy(cfg)  # validated as it will run; the run resolves and says its own layout
+    given, cfg = cfg, copy.deepcopy(cfg)  # validated as it will run; the run resolves and says its own layout
     resolve_layout(cfg)
-    accumulation = validate(cfg, world_size)
+    accumulation = validate(cfg, world_size)  # its errors name run.dir as given ('~')
+    given.run.dir = os.path.expanduser(given.run.dir)  # as every other path key: '~/runs/x' is in the home directory
     try:
         check_strategy_config(cfg.strategy.name, world_size=world_size, grad_clip=cfg.trainer.grad_clip,
                               **strategy_options(cfg.strategy), **step_layout(cfg, world_size))
