@@ -48,7 +48,6 @@ documents apart is probed and printed). Beside each rate stands rank 0's peak re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -57,68 +56,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.peer_common import BETAS, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, execute, torchrun, windowed_rates
+from benchmarks.peer_common import BETAS, FINETUNES, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, execute, run_chat_ddptrain, \
+    sentence, write_chat_inputs, zipf_weights
 
 CONTENDERS = ("ddptrain-micro", "ddptrain-budget", "ddptrain-pack", "trl")
 REAL_CONTENDERS = ("ddptrain-default", "ddptrain-best", "trl", "trl-pack")
-FINETUNES = {"lora": ["model.lora.r=16"], "full": []}
-"""ddptrain's overrides per fine-tuning mode (LoRA: alpha 16, no dropout, every linear layer, as TRL's peft config)."""
 WORKER = Path(__file__).with_name("trl_sft_worker.py")
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<eos>"]
-# ChatML; each assistant reply and its end-of-turn token inside {% generation %}, the newline after it outside.
-TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-            "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
-            "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-# -- the local inputs: words, tokenizer, chats, model -----------------------------------------
-
-
-def pseudo_words(count: int, seed: int) -> list[str]:
-    """`count` distinct pronounceable words of 1 to 3 syllables."""
-    rng = random.Random(seed)
-    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
-    words: set[str] = set()
-    while len(words) < count:
-        words.add("".join(rng.choice(syllables) for _ in range(rng.choice([1, 2, 2, 3]))))
-    return sorted(words)
-
-
-def _sentence(rng: random.Random, words: list[str], weights: list[float], length: int) -> str:
-    return " ".join(rng.choices(words, weights, k=length))
-
-
-def write_tokenizer(directory: Path, words: list[str], vocab_size: int) -> None:
-    """A byte-level BPE trained here on the words, with EOS <eos> and the marked chat template."""
-    import tokenizers
-    import transformers
-
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    rng = random.Random(0)
-    corpus = ["system\nuser\nassistant\n", *(" ".join(rng.sample(words, 20)) for _ in range(2000))]
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(directory)
+# -- the local inputs: chats (words, tokenizer and model: peer_common) -----------------------------------------
 
 
 def chats(count: int, seed: int, words: list[str], fits) -> list[dict]:
     """Conversations of 1 to 3 turns (some with a system message), each accepted by `fits`."""
     rng = random.Random(seed)
-    weights = [1 / (rank + 1) for rank in range(len(words))]  # Zipf-like word frequencies
+    weights = zipf_weights(words)
     out = []
     while len(out) < count:
-        messages = [{"role": "system", "content": _sentence(rng, words, weights, rng.randint(3, 12))}] \
+        messages = [{"role": "system", "content": sentence(rng, words, weights, rng.randint(3, 12))}] \
             if rng.random() < 0.3 else []
         for _ in range(rng.choice([1, 1, 2, 3])):
-            messages.append({"role": "user", "content": _sentence(rng, words, weights, rng.randint(3, 40))})
+            messages.append({"role": "user", "content": sentence(rng, words, weights, rng.randint(3, 40))})
             reply = round(math.exp(rng.uniform(0, math.log(160))))  # 1..160 words, log-uniform
-            messages.append({"role": "assistant", "content": _sentence(rng, words, weights, reply)})
+            messages.append({"role": "assistant", "content": sentence(rng, words, weights, reply)})
         if fits(messages):
             out.append({"messages": messages})
     return out
@@ -126,33 +86,7 @@ def chats(count: int, seed: int, words: list[str], fits) -> list[dict]:
 
 def write_inputs(work: Path, args) -> tuple[Path, Path, Path]:
     """(model dir, chats.jsonl, val.jsonl) under `work`."""
-    import torch
-    import transformers
-
-    model_dir, words = work / "llama", pseudo_words(args.words, SEED)
-    write_tokenizer(model_dir, words, args.vocab)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-
-    def fits(messages) -> bool:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-        return len(ids) <= args.seq_len + 1
-
-    paths = []
-    for name, count, seed in (("chats.jsonl", args.chats, 1), ("val.jsonl", 8, 2)):
-        path = work / name
-        path.write_text("".join(json.dumps(chat) + "\n" for chat in chats(count, seed, words, fits)))
-        paths.append(path)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=args.width, intermediate_size=int(args.width * 8 / 3) // 8 * 8,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
-        max_position_embeddings=args.seq_len + 1, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=None, use_cache=False, tie_word_embeddings=False)
-    torch.manual_seed(SEED)
-    # save_pretrained imports DeepSpeed where installed, which logs "Setting accelerator to CPU" to
-    # stdout: keep stdout for the report.
-    with contextlib.redirect_stdout(sys.stderr):
-        transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
-    return model_dir, paths[0], paths[1]
+    return write_chat_inputs(work, args, chats, (("chats.jsonl", args.chats), ("val.jsonl", 8)))
 
 
 def ddptrain_data(args, model_dir: Path, train: Path, val: Path, cache: Path) -> list[str]:
@@ -182,14 +116,7 @@ def layout(name: str, args) -> list[str]:
 
 def run_ddptrain(name: str, args, data: list[str], model_dir: Path, run_dir: Path,
                  extra: tuple[str, ...] = ()) -> tuple[float, float]:
-    cmd = [*torchrun(args), "-m", "ddptrain", "model=hf", f"model.path={model_dir}", *data, *layout(name, args), *extra,
-           f"batch.seq_len={args.seq_len}", f"batch.global_size={args.global_batch}",
-           f"trainer.max_steps={args.steps}", f"trainer.log_every={args.log_every}", "trainer.eval_examples=1",
-           f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.weight_decay={WEIGHT_DECAY}",
-           "optim.schedule=constant", "optim.warmup_steps=0", f"trainer.grad_clip={GRAD_CLIP}",
-           "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines"]
-    execute(cmd, args)
-    return windowed_rates(run_dir, args.log_every)
+    return run_chat_ddptrain(args, model_dir, run_dir, [*data, *layout(name, args), *extra])
 
 
 def run_trl(args, model_dir: Path, train: Path, out: Path, options: tuple[str, ...] = (),

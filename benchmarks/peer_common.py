@@ -1,19 +1,30 @@
 """What bench_peer's modes share: the optimizer settings, the corpus, the model, and how a run is launched.
 
 bench_peer (text), bench_peer_sft and bench_peer_step all train the same small Llama on examples
-from ddptrain's own data pipeline with the same optimizer settings; they import these from here,
-so that no mode imports another.
+from ddptrain's own data pipeline with the same optimizer settings; bench_peer_sft and bench_peer_dpo
+build the same pseudo-word tokenizer and Llama. They import these from here, so that no mode imports
+another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 LR, BETAS, WEIGHT_DECAY, GRAD_CLIP, SEED = 1e-3, (0.9, 0.95), 0.1, 1.0, 1234
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<eos>"]
+# ChatML; each assistant reply and its end-of-turn token inside {% generation %}, the newline after it outside.
+FINETUNES = {"lora": ["model.lora.r=16"], "full": []}
+"""ddptrain's overrides per fine-tuning mode (LoRA: alpha 16, no dropout, every linear layer, as TRL's peft config)."""
+TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+            "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+            "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def stdlib_glob() -> str:
@@ -85,3 +96,96 @@ def execute(cmd: list[str], args, extra_env: dict[str, str] | None = None) -> No
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {done.returncode}:\n{done.stderr[-4000:]}")
+
+
+# -- the chat modes' local inputs (sft, dpo): pseudo-words, their tokenizer, a Llama ----------------
+
+
+def pseudo_words(count: int, seed: int) -> list[str]:
+    """`count` distinct pronounceable words of 1 to 3 syllables."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
+    words: set[str] = set()
+    while len(words) < count:
+        words.add("".join(rng.choice(syllables) for _ in range(rng.choice([1, 2, 2, 3]))))
+    return sorted(words)
+
+
+def zipf_weights(words: list[str]) -> list[float]:
+    """Zipf-like word frequencies: the k-th word is drawn in proportion to 1 / k."""
+    return [1 / (rank + 1) for rank in range(len(words))]
+
+
+def sentence(rng: random.Random, words: list[str], weights: list[float], length: int) -> str:
+    return " ".join(rng.choices(words, weights, k=length))
+
+
+def write_tokenizer(directory: Path, words: list[str], vocab_size: int) -> None:
+    """A byte-level BPE trained here on the words, with EOS <eos> and the marked chat template."""
+    import tokenizers
+    import transformers
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    rng = random.Random(0)
+    corpus = ["system\nuser\nassistant\n", *(" ".join(rng.sample(words, 20)) for _ in range(2000))]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(directory)
+
+
+def save_llama(model_dir: Path, tokenizer, args) -> None:
+    """A Llama (GQA, RoPE, SwiGLU) of args.width x args.layers over `tokenizer`, random weights, saved beside it."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=args.width, intermediate_size=int(args.width * 8 / 3) // 8 * 8,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
+        max_position_embeddings=args.seq_len + 1, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None, use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(SEED)
+    # save_pretrained imports DeepSpeed where installed, which logs "Setting accelerator to CPU" to
+    # stdout: keep stdout for the report.
+    with contextlib.redirect_stdout(sys.stderr):
+        transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+
+
+def write_chat_inputs(work: Path, args, records, splits: tuple[tuple[str, int], ...]) -> tuple[Path, ...]:
+    """(model dir, one JSONL file per (name, count) of `splits`) under `work`: the pseudo-word tokenizer,
+    `records(count, seed, words, fits)` (seeds 1, 2, ...; `fits(messages)`: they render within
+    seq_len + 1 tokens) and the Llama."""
+    import transformers
+
+    model_dir, words = work / "llama", pseudo_words(args.words, SEED)
+    write_tokenizer(model_dir, words, args.vocab)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+
+    def fits(messages) -> bool:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        return len(ids) <= args.seq_len + 1
+
+    paths = []
+    for seed, (name, count) in enumerate(splits, start=1):
+        path = work / name
+        path.write_text("".join(json.dumps(record) + "\n" for record in records(count, seed, words, fits)))
+        paths.append(path)
+    save_llama(model_dir, tokenizer, args)
+    return (model_dir, *paths)
+
+
+def run_chat_ddptrain(args, model_dir: Path, run_dir: Path, overrides: list[str]) -> tuple[float, float]:
+    """The chat modes' ddptrain run (`overrides`: data, layout, fine-tuning) on a torchrun of args.world_size
+    ranks with the shared optimizer settings; windowed_rates of its metrics."""
+    cmd = [*torchrun(args), "-m", "ddptrain", "model=hf", f"model.path={model_dir}", *overrides,
+           f"batch.seq_len={args.seq_len}", f"batch.global_size={args.global_batch}",
+           f"trainer.max_steps={args.steps}", f"trainer.log_every={args.log_every}", "trainer.eval_examples=1",
+           f"optim.lr={LR}", f"optim.betas=[{BETAS[0]},{BETAS[1]}]", f"optim.weight_decay={WEIGHT_DECAY}",
+           "optim.schedule=constant", "optim.warmup_steps=0", f"trainer.grad_clip={GRAD_CLIP}",
+           "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines"]
+    execute(cmd, args)
+    return windowed_rates(run_dir, args.log_every)

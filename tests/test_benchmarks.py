@@ -116,6 +116,31 @@ def test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl():
     assert lines[-1].startswith("best ddptrain layout: ddptrain-") and lines[-1].endswith("(target >= 1.3)"), out
 
 
+def test_peer_benchmark_dpo_mode_prints_pairs_per_second_and_peak_memory_beside_trl():
+    import_optional("trl")
+    import_optional("peft")
+    out = _run("benchmarks.bench_peer", "--mode", "dpo", "--contenders", "ddptrain-pack,trl", "--rounds", "1",
+               "--steps", "3", "--log-every", "1", "--seq-len", "128", "--global-batch", "4", "--micro", "2",
+               "--pairs", "40", "--words", "200", "--vocab", "400", "--width", "32", "--layers", "1", "--heads", "2")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_peer --mode dpo: Llama 1 x 32, vocab 400 ("), out
+    assert re.search(r", 40 pairs of \d+\.\.\d+ padded positions", lines[0]), out
+    for finetune in ("lora", "full"):
+        round_line = rf"{finetune} round 1: ddptrain-pack [\d.,]+, trl [\d.,]+"
+        assert any(re.fullmatch(round_line, line) for line in lines), out
+        header = lines.index(next(line for line in lines if line.startswith(f"{finetune}: contender")))
+        rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1 : header + 3]}
+        for name in ("ddptrain-pack", "trl"):
+            rate, peak, ratio, peak_ratio, per_round = (float(value.replace(",", "")) for value in rows[name])
+            assert rate > 0 and peak > 100 and ratio == per_round > 0 and peak_ratio > 0, out
+        assert [float(value) for value in rows["trl"][2:4]] == [1.0, 1.0], out
+    memory = lines.index(next(line for line in lines if line.startswith("peak MiB, LoRA")))
+    for line, name in zip(lines[memory + 1 :], ("ddptrain-pack", "trl"), strict=True):
+        row = line.split()
+        lora, full, difference = (float(value.replace(",", "")) for value in (row[1], row[2], row[-1]))
+        assert row[0] == name and row[3:6] == ["full", "-", "lora"] and difference == pytest.approx(full - lora, abs=1)
+
+
 def test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process():
     import_optional("transformers")
     out = _run("benchmarks.bench_peer", "--mode", "step", "--seq-len", "64", "--width", "32", "--layers", "1",

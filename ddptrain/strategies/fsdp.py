@@ -130,6 +130,8 @@ class FSDPStrategy(Strategy):
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [sharded[by_name[id(param)]] for param in group["params"]]
+            if isinstance(optimizer, torch.optim.SGD):  # fused SGD has no sharding rule for DTensor parameters
+                group["fused"] = False
         self.model = model
         self.optimizer = optimizer
         self.mesh = mesh

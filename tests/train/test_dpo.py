@@ -15,7 +15,7 @@ from ddptrain.config.validation import validate
 from tests.data.chats import write_jsonl
 from tests.data.pairs import random_pairs
 from tests.data.test_sft import _llama_with_chat_tokenizer
-from tests.helpers import import_optional, read_metrics, run_cli
+from tests.helpers import import_deepspeed, import_optional, read_metrics, run_cli
 
 transformers = import_optional("transformers")
 SEQ = 96
@@ -157,3 +157,37 @@ def test_precomputed_reference_log_probs_give_the_same_run_survive_a_resume_and_
     refused = run_cli([*precomputed, "trainer.max_steps=4", f"run.dir={tmp_path / 'pre'}"], nproc=2)
     assert refused.returncode != 0 and "the run's inputs differ from the checkpoint's: data.reference: " in \
         refused.stderr, refused.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_dpo_gives_the_same_losses_and_rewards_on_fsdp_and_zero2_as_ddp(tmp_path, lora):
+    """fsdp in fp64 to 1e-9 and zero2 in fp32 to 1e-6 against ddp, 2 ranks under a token budget (ragged
+    microbatch counts: a rank runs filler forwards, the reference's included)."""
+    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", random_pairs(48, seed=11, conversational=True))
+    val = write_jsonl(tmp_path / "val.jsonl", random_pairs(6, seed=12, conversational=True))
+    base = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
+            f"data.cache_dir={tmp_path / 'cache'}", f"batch.micro_tokens={2 * SEQ}",
+            "optim.lr=0.05",  # at 0.5 the loss climbs and amplifies fp32's rounding (zero2's other reduction order)
+            *(["model.lora.r=4"] if lora else [])]
+    import_deepspeed()
+    runs = {"ddp fp64": [], "fsdp fp64": ["strategy=fsdp"], "ddp fp32": ["trainer.precision=fp32"],
+            "zero2 fp32": ["strategy=zero2", "trainer.precision=fp32"]}
+    curves = {}
+    for name, options in runs.items():
+        run_dir = tmp_path / name.replace(" ", "-")
+        result = run_cli([*base, *options, f"run.dir={run_dir}"], nproc=2)
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        curves[name] = read_metrics(run_dir)
+    assert any(m["filler_microbatches"] > 0 for m in curves["fsdp fp64"]), "the budget must leave a rank short"
+    # (relative, absolute) tolerances; the rewards' margin can pass near 0, where only an absolute one holds
+    pairs = {("ddp fp64", "fsdp fp64"): (1e-9, 1e-12), ("ddp fp32", "zero2 fp32"): (1e-6, 1e-6)}
+    for (reference, other), (tolerance, absolute) in pairs.items():
+        assert curves[reference][2]["loss"] != curves[reference][0]["loss"], "it trained"
+        for mine, ref in zip(curves[other], curves[reference], strict=True):
+            for key in METRICS:
+                # Step 1's rewards are 0 up to rounding (policy = reference): which of two zeros is larger is noise.
+                if not (key == "reward_accuracy" and mine["step"] == 1):
+                    assert math.isclose(mine[key], ref[key], rel_tol=tolerance, abs_tol=absolute), \
+                        (other, mine["step"], key, mine[key], ref[key])
