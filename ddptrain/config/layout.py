@@ -27,6 +27,9 @@ def rows_vary(batch: BatchConfig) -> bool:
 
 def default_packing(cfg: Any) -> tuple[bool, str]:
     """What `batch.pack=null` means for this run, and why, in words for the start-up line."""
+    if cfg.data.name == "preference":
+        return False, ("unpacked pairs, two rows each (batch.pack=true packs each step's pairs whole, chosen and "
+                       "rejected as two documents of a row: the same sample, fewer padded positions)")
     if cfg.data.name != "sft":
         return False, (f"unpacked rows: data={cfg.data.name} packed would draw other examples per step "
                        "(set batch.pack=true to pack the stream)")

@@ -52,6 +52,7 @@ def test_gpt_defaults_are_declared_once():
     (["data=sft", "model=custom", "model._target_=tests.toy_models.make_conv_lm"], False,
      "unpacked conversations: a model._target_ model packs"),
     ([], False, "unpacked rows: data=stdlib packed would draw other examples"),
+    (["data=preference", "objective=dpo", "data.paths=[pairs.jsonl]"], False, "unpacked pairs, two rows each"),
     (["batch.pack=true"], True, None),
 ])
 def test_batch_pack_null_packs_conversations_unless_a_layout_or_the_model_says_otherwise(overrides, packed, why):
