@@ -114,6 +114,7 @@ def _measure_all(rows: tuple[str, ...], n_layer: int, n_embd: int, seq_len: int,
 def _plan(row: str, args):
     """The plan's figures for this row's model and strategy (ddptrain/train/memory_plan.py), on the meta device."""
     from ddptrain.models import GPT, GPTConfig
+    from ddptrain.engine.chunked import chunk_rows
     from ddptrain.train.memory_plan import Layout, count_model, meta_device, plan_strategies
 
     with meta_device():
@@ -126,7 +127,9 @@ def _plan(row: str, args):
     layout = Layout(world_size=args.world_size, ranks_per_node=args.world_size // 2 if hsdp else args.world_size,
                     replicate=2 if hsdp else 1, micro_batch_size=MICRO_BATCH_SIZE, seq_len=args.seq_len,
                     grad_accum_steps=1, precision="fp32", optimizer="adamw")
-    counts = count_model(model, {"Block"}, MICRO_BATCH_SIZE, args.seq_len, "fp32", 256)
+    # the engine's default path, the chunked head, as the measured step runs it
+    counts = count_model(model, {"Block"}, MICRO_BATCH_SIZE, args.seq_len, "fp32", 256,
+                         head_chunk_tokens=chunk_rows(256))
     return next(plan for plan in plan_strategies(counts, layout) if plan.name == strategy)
 
 

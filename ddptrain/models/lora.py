@@ -86,7 +86,9 @@ def check_base_config(base: nn.Module, trained: Mapping | None, path: str | Path
     it. Keys that only one side knows (another transformers version) are not compared."""
     if not trained:
         return
-    now = json.loads(json.dumps(base.config.to_dict(), default=str))  # as the spec was stored: str keys
+    # Both as the spec is stored (JSON: str keys), whether `trained` was read back or is a live run's
+    now = json.loads(json.dumps(base.config.to_dict(), default=str))
+    trained = json.loads(json.dumps(dict(trained), default=str))
     changed = [f"{key}: {trained[key]!r} -> {now[key]!r}" for key in sorted(set(trained) & set(now))
                if key not in _UNCOMPARED and trained[key] != now[key]]
     if changed:

@@ -91,14 +91,14 @@ def test_a_full_fine_tune_lowers_the_held_out_loss_through_the_chunked_head(mode
 
 
 def test_layouts_and_the_full_logits_give_the_same_curve_on_the_real_model(model_dir, tmp_path):
-    """fp32 on the real model (vocabulary 49,152): 1 rank x 4 rows, 2 ranks x 1 row, a token budget,
-    and the full logits (trainer.chunked_head=false), each 3 steps of LoRA with the head adapted."""
+    """fp32 on the real model (vocabulary 49,152): 1 rank x 4 rows, 2 ranks x 1 row and the full
+    logits (trainer.chunked_head=false), each 3 steps of LoRA with the head adapted (token budgets:
+    the tiny models' layout tests)."""
     common = ["model=hf", f"model.path={model_dir}", "model.lora.r=4",
               "model.lora.target_modules=[q_proj,v_proj,lm_head]", *python_sources(tmp_path / "cache"),
               "trainer.max_steps=3", "optim.lr=1e-3", "trainer.eval_examples=4"]
     layouts = {"1x4": (1, ["batch.micro_size=4"]), "2x1": (2, ["batch.micro_size=1"]),
-               "budget": (1, ["batch.micro_tokens=256"]), "full logits": (1, ["batch.micro_size=4",
-                                                                                "trainer.chunked_head=false"])}
+               "full logits": (1, ["batch.micro_size=4", "trainer.chunked_head=false"])}
     curves = {}
     for name, (ranks, layout) in layouts.items():
         run_dir = tmp_path / name.replace(" ", "_")
@@ -176,4 +176,4 @@ def test_the_plan_of_a_lora_run_on_the_real_model_counts_the_adapter_alone_as_tr
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"memory plan: ([\d,]+) parameters \(([\d,]+) train\)", result.stdout)
     total, training = (int(group.replace(",", "")) for group in match.groups())
-    assert 0 < training < total / 50, (training, total)
+    assert 0 < training < total / 20, (training, total)  # r=16 on every linear layer: 3.5% of the weights

@@ -375,3 +375,17 @@ def test_wandb_online_without_credentials_falls_back_to_offline_without_a_prompt
         logging.getLogger("ddptrain.train.metrics").removeHandler(handler)
     assert "no wandb credentials" in warnings.getvalue()
     assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="no /proc (not Linux): ru_maxrss is the measure")
+def test_a_processs_peak_memory_on_cpu_is_its_own_not_that_of_the_process_that_started_it():
+    """getrusage's ru_maxrss survives exec: a run launched by a process holding 1.5 GiB (a test
+    runner with a model loaded, a launcher) would report that as its own peak."""
+    held = bytearray(1536 * 2**20)  # touched: resident in this process when the child is started
+    held[::4096] = b"\x01" * len(held[::4096])
+    code = ("import torch; from ddptrain.train.metrics import peak_memory_bytes; "
+            "print(peak_memory_bytes(torch.device('cpu')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    del held
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) < 1024 * 2**20, f"the child reports {int(result.stdout) / 2**20:.0f} MiB"
