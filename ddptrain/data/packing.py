@@ -88,18 +88,21 @@ class PackedExamples:
     def collate(self, indices: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({"idx", "positions", "segments", "documents"}, targets): (B, T) tensors with T the longest
         row, and the rows' DocumentBoundaries."""
-        width = int(self.lengths[indices].max()) - 1
-        shape = (len(indices), width)
-        inputs = np.zeros(shape, dtype=np.int64)
-        targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
-        positions = np.zeros(shape, dtype=np.int64)
-        segments = np.full(shape, -1, dtype=np.int64)  # padding: a segment of its own
+        inputs, targets, positions, segments = empty_rows(len(indices), int(self.lengths[indices].max()) - 1)
         for row, index in enumerate(indices):
             row_inputs, row_targets, row_positions, row_segments = self._row(int(index))
             used = len(row_inputs)
             inputs[row, :used], targets[row, :used] = row_inputs, row_targets
             positions[row, :used], segments[row, :used] = row_positions, row_segments
         return packed_batch(inputs, positions, segments), torch.from_numpy(targets)
+
+
+def empty_rows(rows: int, width: int) -> tuple[np.ndarray, ...]:
+    """(inputs, targets, positions, segments) of `rows` packed rows of `width`, all padding: targets
+    ignored, and the padding a segment of its own (-1)."""
+    shape = (rows, width)
+    return (np.zeros(shape, dtype=np.int64), np.full(shape, IGNORE_INDEX, dtype=np.int64),
+            np.zeros(shape, dtype=np.int64), np.full(shape, -1, dtype=np.int64))
 
 
 def packed_batch(inputs: np.ndarray, positions: np.ndarray, segments: np.ndarray) -> dict:
@@ -137,6 +140,25 @@ def pack_into_rows(ids: np.ndarray, sizes: np.ndarray, capacity: int, min_rows: 
     return best_fit_decreasing(ids, sizes, capacity)
 
 
+def lay_out_rows(examples, rows: list[np.ndarray], width: int) -> tuple[np.ndarray, ...]:
+    """(inputs, targets, positions, segments), (len(rows), width) arrays of whole examples laid end
+    to end in each row, each a document of its own: positions restart, segments count the row's
+    documents from 0 (padding: -1), targets are the examples' own (IGNORE_INDEX where masked)."""
+    inputs, targets, positions, segments = empty_rows(len(rows), width)
+    for r, row in enumerate(rows):
+        at = 0
+        for segment, index in enumerate(row):
+            start, length = int(examples.starts[index]), int(examples.lengths[index])
+            piece = examples.tokens[start : start + length]
+            used = slice(at, at + length - 1)
+            inputs[r, used] = piece[:-1]
+            targets[r, used] = examples.example_targets_of(start, length, piece)
+            positions[r, used] = np.arange(length - 1)
+            segments[r, used] = segment
+            at += length - 1
+    return inputs, targets, positions, segments
+
+
 class ConversationRows:
     """Whole examples (conversations with a target mask) packed into rows of at most seq_len positions."""
 
@@ -157,21 +179,6 @@ class ConversationRows:
     def collate(self, rows: list[np.ndarray]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({"idx", "positions", "segments", "documents"}, targets): (B, T) tensors (B rows, T the
         widest), and the rows' DocumentBoundaries."""
-        shape = (len(rows), max(self.width(row) for row in rows))
-        inputs = np.zeros(shape, dtype=np.int64)
-        targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
-        positions = np.zeros(shape, dtype=np.int64)
-        segments = np.full(shape, -1, dtype=np.int64)  # padding: a segment of its own
-        examples = self.examples
-        for r, row in enumerate(rows):
-            at = 0
-            for segment, index in enumerate(row):
-                start, length = int(examples.starts[index]), int(examples.lengths[index])
-                piece = examples.tokens[start : start + length]
-                used = slice(at, at + length - 1)
-                inputs[r, used] = piece[:-1]
-                targets[r, used] = examples.example_targets_of(start, length, piece)
-                positions[r, used] = np.arange(length - 1)
-                segments[r, used] = segment
-                at += length - 1
+        inputs, targets, positions, segments = lay_out_rows(self.examples, rows,
+                                                            max(self.width(row) for row in rows))
         return packed_batch(inputs, positions, segments), torch.from_numpy(targets)

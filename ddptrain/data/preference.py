@@ -29,7 +29,8 @@ from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.data.cache import BuildProgress, TokenWriter
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import TokenExamples, assign_splits
-from ddptrain.data.packing import pack_into_rows, packed_batch
+from ddptrain.data.packing import lay_out_rows, pack_into_rows, packed_batch
+from ddptrain.data import sft
 from ddptrain.data.sft import _messages, records
 from ddptrain.data.sources import DataError, SplitNames, TextDecoder, is_validation
 
@@ -185,17 +186,14 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
 
 
 def warn_skips(meta: dict, seq_len: int) -> None:
-    """The warnings of a build's counted skips (every load of the entry says them again)."""
-    for kind, count in meta["skips"].items():
-        if count:
-            log.warning("data: %s %d %s, e.g. %s", "cut" if kind == "truncated" else "skipped", count,
-                        _SKIPS[kind].format(span=seq_len + 1), meta["skip_examples"][kind])
+    """The warnings of a build's counted skips, in this format's words."""
+    sft.warn_skips(meta, seq_len, _SKIPS)
 
 
 def examples_of(entry: Path, split: str, tokens: np.ndarray, meta: dict) -> "PreferencePairs":
-    skipped = sum(count for kind, count in meta["skips"].items() if kind != "truncated")
-    mask = np.load(entry / "mask.npy", mmap_mode="r")
-    return PreferencePairs(TokenExamples.whole(tokens, mask, np.load(entry / f"{split}.docs.npy"), skipped))
+    """A split's pairs: its sequences read as data=sft reads its examples (the docs file holds the
+    pairs' two sequences in turn)."""
+    return PreferencePairs(sft.examples_of(entry, split, tokens, meta))
 
 
 class PreferencePairs:
@@ -237,30 +235,16 @@ class PreferencePairs:
 
     def collate_packed(self, rows: list[np.ndarray]) -> tuple[dict[str, torch.Tensor], PairTargets]:
         """Rows of whole pairs, each sequence a document of its own (own positions and attention segment)."""
-        examples = self.sequences
-        shape = (len(rows), max(int(self.positions[row].sum()) for row in rows))
-        inputs = np.zeros(shape, dtype=np.int64)
-        targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
-        positions = np.zeros(shape, dtype=np.int64)
-        segments = np.full(shape, -1, dtype=np.int64)
-        sequences = np.full(shape, -1, dtype=np.int64)
-        count, order = 0, []
-        for r, row in enumerate(rows):
-            at = 0
-            for segment, index in enumerate(np.stack([2 * row, 2 * row + 1], axis=1).reshape(-1)):
-                order.append(index)
-                start, length = int(examples.starts[index]), int(examples.lengths[index])
-                piece = examples.tokens[start : start + length]
-                used = slice(at, at + length - 1)
-                inputs[r, used] = piece[:-1]
-                targets[r, used] = examples.example_targets_of(start, length, piece)
-                positions[r, used] = np.arange(length - 1)
-                segments[r, used] = segment
-                sequences[r, used] = np.where(targets[r, used] != IGNORE_INDEX, count, -1)
-                count += 1
-                at += length - 1
+        documents = [np.stack([2 * row, 2 * row + 1], axis=1).reshape(-1) for row in rows]  # chosen, rejected
+        width = max(int(self.positions[row].sum()) for row in rows)
+        inputs, targets, positions, segments = lay_out_rows(self.sequences, documents, width)
+        # Sequence ids over the whole microbatch, in the order of `documents`: a row's first id is the
+        # count of the rows before it; positions without a target belong to none (-1).
+        first = np.cumsum([0] + [len(row) for row in documents[:-1]])
+        sequences = np.where(targets != IGNORE_INDEX, first[:, None] + segments, -1)
+        order = np.concatenate(documents)
         return packed_batch(inputs, positions, segments), PairTargets(
-            torch.from_numpy(targets), torch.from_numpy(sequences), count, self._reference_of(order))
+            torch.from_numpy(targets), torch.from_numpy(sequences), len(order), self._reference_of(order))
 
 
 class PairRows:

@@ -216,12 +216,13 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
             "replaced_example": decoder.replaced_example}
 
 
-def warn_skips(meta: dict, seq_len: int) -> None:
-    """The warnings of a build's counted skips (every load of the entry says them again)."""
+def warn_skips(meta: dict, seq_len: int, reasons: dict[str, str] = _SKIPS) -> None:
+    """The warnings of a build's counted skips (every load of the entry says them again); `reasons`:
+    each kind of skip in words (data=preference has its own)."""
     for kind, count in meta["skips"].items():
         if count:
             log.warning("data: %s %d %s, e.g. %s", "cut" if kind == "truncated" else "skipped", count,
-                        _SKIPS[kind].format(span=seq_len + 1), meta["skip_examples"][kind])
+                        reasons[kind].format(span=seq_len + 1), meta["skip_examples"][kind])
 
 
 def examples_of(entry: Path, split: str, tokens: np.ndarray, meta: dict) -> TokenExamples:
