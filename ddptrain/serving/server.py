@@ -53,6 +53,9 @@ def _read_body(raw: bytes, accepted: tuple[str, ...]) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError("body", f"the request body is not valid JSON: {error}") from None
+    except RecursionError:  # json's decoder recurses once per nested array or object
+        raise RequestError("body", "the request body nests arrays or objects too deeply to parse; no field of "
+                                   "a request nests more than a few levels") from None
     if not isinstance(body, dict):
         raise RequestError("body", f"the request body must be a JSON object, not {type(body).__name__}")
     unknown = sorted(set(body) - set(accepted))

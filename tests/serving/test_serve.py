@@ -389,6 +389,8 @@ BAD_REQUESTS = [
     ('{"prompt": "x", "n": true}', "n", "n=True must be 1"),
     ('{"prompt": "x", "n": 1.0}', "n", "n=1.0 must be 1"),
     ('{"prompt": "x", "max_token": 4}', "max_token", "unknown field"),
+    ("[" * 2_000_000 + "]" * 2_000_000, "body", "nests arrays or objects too deeply"),  # 4 MB: json.loads recurses
+    ('{"prompt": "x", "stop": ' + '{"a": ' * 500_000 + "0" + "}" * 500_001, "body", "nests arrays or objects too deeply"),
 ]
 
 
