@@ -729,7 +729,7 @@ def serve_cli(path, log):
     process = subprocess.Popen([sys.executable, "-m", "ddptrain.serve", str(path), "--port", str(port)],
                                cwd=REPO, env=_env(), stdout=output, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a hang guard: the server starts in seconds
         while True:
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             with contextlib.suppress(httpx.HTTPError):
