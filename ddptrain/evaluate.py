@@ -67,7 +67,7 @@ def evaluate(path: str | Path, task_files: list[str | Path], which: str = FINAL,
     model, tokenizer, template, length = load(Path(path), which)
     device = torch.device(device)
     model.to(device)
-    encode, render = run_tokenizer(tokenizer, chat_template, template)
+    encode, render = run_tokenizer(tokenizer, chat_template, template, "evaluate --chat-template")
     scorer = TaskScorer(tasks, encode, DistInfo(0, 1, 0, device, backend_for(device)), max_length or length or 2048,
                         batch_size, render=render)
     return scorer.score(lambda inputs: logits_of(model(inputs)), model)

@@ -129,7 +129,7 @@ def check_text_fits(generator: Generator, texts: list[str], field: str) -> None:
     characters = sum(len(text) for text in texts if isinstance(text, str))  # others: a 400 of their own later
     at_least = characters // (2 * generator.longest_token_chars)
     if at_least > generator.context:
-        raise RequestError(field, f"{field} hold {characters} characters, at least {at_least} tokens, more than the "
+        raise RequestError(field, f"{field}: {characters} characters, at least {at_least} tokens, more than the "
                                   f"model's context of {generator.context} positions")
 
 

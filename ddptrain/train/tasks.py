@@ -267,10 +267,11 @@ class TaskScorer:
         return result
 
 
-def run_tokenizer(tokenizer: str | None, chat: bool, chat_template: str | None = None
-                  ) -> tuple[Encode, Callable[[str], str] | None]:
+def run_tokenizer(tokenizer: str | None, chat: bool, chat_template: str | None = None,
+                  user: str = "trainer.eval_chat_template=true") -> tuple[Encode, Callable[[str], str] | None]:
     """(encode, render) for a run's data.tokenizer: `render` wraps a context in the chat template
-    (transformers' apply_chat_template, as the harness calls it) when `chat`, else None."""
+    (transformers' apply_chat_template, as the harness calls it) when `chat`, else None. `user`: the
+    switch that asked for the chat template, for the messages."""
     if not chat:
         from ddptrain.data.tokenizer import load_tokenizer
 
@@ -278,10 +279,9 @@ def run_tokenizer(tokenizer: str | None, chat: bool, chat_template: str | None =
         return (lambda text: plain.encode(text).tolist()), None
     from ddptrain.data.chat import ChatTokenizer
 
-    chat_tokenizer = ChatTokenizer(tokenizer, chat_template)
+    chat_tokenizer = ChatTokenizer(tokenizer, chat_template, user)
     if not chat_tokenizer.template:
-        raise DataError(f"trainer.eval_chat_template=true but {tokenizer} has no chat template (give "
-                        "data.chat_template=PATH)")
+        raise DataError(f"{user} but {tokenizer} has no chat template (give data.chat_template=PATH)")
     hf = chat_tokenizer.tokenizer
 
     def render(context: str) -> str:

@@ -373,6 +373,7 @@ BAD_REQUESTS = [
     ('{"prompt": ""}', "prompt", "empty"),
     ('{"prompt": "ab\\udc80"}', "prompt", "prompt is not valid Unicode text: surrogates not allowed '\\udc80'"),
     ('{"prompt": "' + "x" * 70 + '"}', "prompt", "longer than the model's context of 64"),
+    ('{"prompt": "' + "x" * 1000 + '"}', "prompt", "prompt: 1000 characters, at least 500 tokens, more than the model's"),
     ('{"prompt": "x", "max_tokens": -1}', "max_tokens", "must be an integer >= 1"),
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens", "must be an integer >= 1"),
     ('{"prompt": "x", "max_tokens": 4.5}', "max_tokens", "must be an integer >= 1"),

@@ -159,7 +159,8 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("case", ["final tampered", "best truncated", "task is a directory", "task not utf-8"])
+@pytest.mark.parametrize("case", ["final tampered", "best truncated", "task is a directory", "task not utf-8",
+                                  "chat template of the byte tokenizer"])
 def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line(run_with_best, tmp_path, case):
     import shutil
 
@@ -179,6 +180,8 @@ def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line
         task.unlink()
         task.mkdir()
         words = [f"{task} is a directory"]
+    elif case == "chat template of the byte tokenizer":  # it named data=sft
+        args, words = [*args, "--chat-template"], ["evaluate --chat-template needs a real tokenizer"]
     else:  # latin-1 on the second line
         task.write_bytes(task.read_bytes() + '{"context": "café", "choices": ["a", "b"], "label": 0}\n'.encode("latin-1"))
         words = [f"{task}:2: ", "is not UTF-8"]
