@@ -351,7 +351,7 @@ def test_waiting_ranks_get_the_entry_or_the_builders_error(tmp_path):
     waiter.start()
     time.sleep(0.1)
     built = cache_module.build_or_wait(tmp_path, "k1", slow_build, is_builder=True)
-    waiter.join(timeout=10)
+    waiter.join(timeout=120)  # a hang guard: the build sleeps 0.5 s
     meta = results["waiter"][1]
     assert built[2] is True and meta.pop("checksums").keys() == {"x.npy"} and meta == {"ok": 1}
     assert results["waiter"][2] is False
@@ -405,7 +405,7 @@ def test_a_failure_marker_of_an_earlier_launch_does_not_fail_the_next_one(tmp_pa
         waiter.start()
         time.sleep(0.2)
         cache_module.build_or_wait(tmp_path, key, build, is_builder=True)
-        waiter.join(timeout=10)
+        waiter.join(timeout=120)  # a hang guard: the build sleeps 0.5 s
         outcome = results["waiter"]  # (entry, meta, built), or (None, the waiter's error)
         assert isinstance(outcome[1], dict) and outcome[1]["ok"] == 1, outcome
 

@@ -299,7 +299,7 @@ def test_a_request_arriving_mid_decoding_starts_before_the_others_finish(run_dir
             started = [asyncio.Event() for _ in range(4)]
             long = [asyncio.ensure_future(stream(client, url, event, prompt=p, max_tokens=CONTEXT - 20, temperature=0))
                     for p, event in zip(PROMPTS, started)]
-            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=30)
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=120)
             arrived = time.perf_counter()  # all four are decoding now
             short = await stream(client, url, prompt=PROMPTS[4], max_tokens=4, temperature=0)
             return arrived, short, await asyncio.gather(*long)
