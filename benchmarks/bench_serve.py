@@ -12,6 +12,11 @@ threads and the same KV cache size (--cb-num-blocks, --cb-max-batch-tokens) and 
 order, in rounds); the report is the median over rounds, ratios taken within a round. Each line
 also says whether the texts were identical to the one-client answers and to the other server's.
 A figure, not a test: these machines are shared and noisy.
+
+    python -m benchmarks.bench_serve --huge-request-mb 20 [RUN_DIR]
+
+instead times what a request over --max-request-mb costs the others: the median latency of small
+completions alone and beside a request of that many MB, and how long that request waits for its 400.
 """
 
 from __future__ import annotations
@@ -157,6 +162,45 @@ def measure(servers: dict, args, prompts_by_clients: dict) -> dict:
     return rows
 
 
+async def huge_request_figures(url: str, megabytes: float, count: int = 24) -> dict:
+    """Median latency (s) of `count` small completions alone and beside one request of `megabytes` MB,
+    and the seconds that request waited for its 400."""
+    import httpx
+
+    small = {"prompt": "def main(", "max_tokens": 4, "temperature": 0}
+    huge = json.dumps({"prompt": "x" * int(megabytes * 1e6), "max_tokens": 4})
+
+    async def timed(client, **request) -> tuple[int, float]:
+        started = time.perf_counter()
+        response = await client.post(url + "/v1/completions", **request)
+        return response.status_code, time.perf_counter() - started
+
+    async with httpx.AsyncClient(timeout=120) as client, httpx.AsyncClient(timeout=120) as other:
+        for _ in range(4):  # warm up
+            await timed(client, json=small)
+        alone = [(await timed(client, json=small))[1] for _ in range(count)]
+
+        async def small_ones() -> list[float]:
+            return [(await timed(client, json=small))[1] for _ in range(count)]
+
+        beside, (status, refused_s) = await asyncio.gather(
+            small_ones(), timed(other, content=huge, headers={"content-type": "application/json"}))
+    return {"alone": statistics.median(alone), "beside": statistics.median(beside), "status": status,
+            "refused_s": refused_s}
+
+
+def huge_request_main(directory: Path, megabytes: float, threads: int) -> None:
+    port = _free_port()
+    with Server([sys.executable, "-m", "ddptrain.serve", str(directory), "--port", str(port), "--device", "cpu"],
+                port, threads) as server:
+        server.wait_healthy()
+        figures = asyncio.run(huge_request_figures(server.url, megabytes))
+    print(f"small completions (4 tokens): median {figures['alone'] * 1e3:.1f} ms alone, "
+          f"{figures['beside'] * 1e3:.1f} ms beside a {megabytes:g} MB request "
+          f"({figures['beside'] / figures['alone']:.2f}x); that request got its {figures['status']} in "
+          f"{figures['refused_s'] * 1e3:.0f} ms")
+
+
 def summary(runs: list[dict], alone: list[dict]) -> dict:
     """Medians over rounds; the ratio to one client is taken within each round, then its median."""
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
@@ -176,6 +220,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all client counts (medians are reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each server")
     parser.add_argument("--skip-transformers", action="store_true", help="only ddptrain.serve")
+    parser.add_argument("--huge-request-mb", type=float, default=None,
+                        help="instead: small requests' latency alone and beside one request of this many MB")
     args = parser.parse_args()
 
     from ddptrain.serving.servable import servable_dir
@@ -186,6 +232,8 @@ def main() -> None:
         print(f"training a short default-GPT run in {run} ...", flush=True)
         train_default_run(run)
     directory = servable_dir(run)
+    if args.huge_request_mb is not None:
+        return huge_request_main(directory, args.huge_request_mb, args.threads)
     config = json.loads((directory / "config.json").read_text())
     context = config.get("n_positions") or config.get("max_position_embeddings")
     max_active = max(args.clients)

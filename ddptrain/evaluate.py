@@ -20,6 +20,8 @@ import torch
 from ddptrain.contract.outputs import logits_of
 from ddptrain.data.sources import DataError
 from ddptrain.distributed import DistInfo, backend_for
+from ddptrain.models.spec import ModelError
+from ddptrain.runs.store import CheckpointError
 from ddptrain.runs.weights import FINAL, SPEC_FILE, WHICH, find_weights, load_trained
 from ddptrain.train.tasks import TaskScorer, read_task, run_tokenizer
 
@@ -61,11 +63,11 @@ def load(path: Path, which: str = FINAL) -> tuple[torch.nn.Module, str, str | No
 def evaluate(path: str | Path, task_files: list[str | Path], which: str = FINAL, chat_template: bool = False,
              batch_size: int = 8, max_length: int | None = None, device: str = "cpu") -> dict[str, float]:
     """{"eval/<task>/acc": ..., "eval/<task>/acc_norm": ...} of the model at `path`."""
+    tasks = [read_task(file) for file in task_files]  # a bad task file is named before the model loads
     model, tokenizer, template, length = load(Path(path), which)
     device = torch.device(device)
     model.to(device)
-    encode, render = run_tokenizer(tokenizer, chat_template, template)
-    tasks = [read_task(file) for file in task_files]
+    encode, render = run_tokenizer(tokenizer, chat_template, template, "evaluate --chat-template")
     scorer = TaskScorer(tasks, encode, DistInfo(0, 1, 0, device, backend_for(device)), max_length or length or 2048,
                         batch_size, render=render)
     return scorer.score(lambda inputs: logits_of(model(inputs)), model)
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         scores = evaluate(args.path, args.tasks, args.which, args.chat_template, args.batch_size, args.max_length,
                           args.device)
-    except (FileNotFoundError, DataError, ValueError) as error:
+    except (FileNotFoundError, DataError, ValueError, CheckpointError, ModelError) as error:
         print(f"evaluate error: {error}", file=sys.stderr)
         sys.exit(2)
     for file in args.tasks:

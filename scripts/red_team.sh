@@ -39,6 +39,17 @@
 #   29 every example skipped                             test_sft.py (the skip counts in the message)
 #   30 a looping/flooding/huge template, a huge line     test_sft.py (named errors), progress every 10 s
 #   31 n: true / 1.0                                     test_serve.py (400)
+#   40 an empty or whitespace-only task choice            test_tasks.py (data error naming file and line)
+#   41 an MLflow server that is not there                 test_trackers.py (warned within seconds, training goes on)
+#   42 a _target_ head wider than its logits              test_chunked_engine.py (config error naming both widths)
+#   43 evaluate on a tampered final/, a corrupted best/,
+#      a task directory or non-UTF-8 task; a non-UTF-8
+#      trainer.eval_tasks file                            test_tasks.py (one line, rc 2, no traceback)
+#   44 a 4 MB deeply nested JSON body                     test_serve.py (400 naming body, not a 500)
+#   45 a NaN val_loss under early stopping; a stopped
+#      run relaunched with more steps                     test_early_stopping.py (messages that say what happened)
+#   46 every preference pair skipped, pairs cut, the
+#      byte tokenizer for data=preference                 test_preference.py (counts per reason, the right names)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marker=()
@@ -66,4 +77,14 @@ exec python -m pytest -q "${marker[@]}" tests/runs/test_healing.py tests/runs/te
     "tests/data/test_sft.py::test_a_corpus_whose_every_example_is_skipped_says_how_many_and_why" \
     "tests/data/test_sft.py::test_a_glob_that_matches_a_directory_and_a_template_that_is_not_utf8_are_data_errors" \
     "tests/data/test_sft.py::test_a_template_that_loops_or_floods_and_a_huge_template_or_line_are_named_errors" \
-    "tests/data/test_sft.py::test_preprocessing_says_how_far_it_got_while_one_record_takes_long"
+    "tests/data/test_sft.py::test_preprocessing_says_how_far_it_got_while_one_record_takes_long" \
+    "tests/train/test_tasks.py::test_a_task_line_that_breaks_the_format_is_named_with_its_rule" \
+    "tests/train/test_trackers.py::test_an_mlflow_server_that_is_not_there_warns_within_seconds_and_training_goes_on" \
+    "tests/engine/test_chunked_engine.py::test_a_target_model_whose_head_is_wider_than_its_logits_is_refused_naming_both_widths" \
+    "tests/train/test_tasks.py::test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line" \
+    "tests/train/test_tasks.py::test_a_task_file_that_is_not_utf8_in_trainer_eval_tasks_is_a_data_error_before_training" \
+    "tests/train/test_early_stopping.py::test_a_validation_loss_that_is_not_finite_stops_the_run_with_a_message_that_says_so" \
+    "tests/train/test_early_stopping.py::test_relaunching_a_stopped_run_with_more_steps_says_it_stopped_early_and_how_to_train_on" \
+    "tests/data/test_preference.py::test_a_corpus_whose_every_pair_is_skipped_says_how_many_were_read_and_why_each_was_dropped" \
+    "tests/data/test_preference.py::test_pairs_cut_by_truncation_are_warned_in_plain_words" \
+    "tests/data/test_preference.py::test_the_byte_tokenizer_by_default_is_refused_in_the_words_of_data_preference"

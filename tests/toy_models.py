@@ -94,3 +94,21 @@ class HeadLossConvLM(CausalConvLM):
 
 def make_head_loss_conv_lm(vocab_size: int, width: int = 32, kernel: int = 4) -> HeadLossConvLM:
     return HeadLossConvLM(vocab_size, width, kernel)
+
+
+class PaddedHeadLM(HeadLossConvLM):
+    """A head padded past the vocabulary (as many models pad theirs to a multiple of 64): its forward
+    returns the vocabulary's columns, yet hands head_loss the whole head."""
+
+    def __init__(self, vocab_size: int, padding: int):
+        super().__init__(vocab_size, 16, 2)
+        self.vocab_size = vocab_size
+        self.head = nn.Linear(16, vocab_size + padding)
+
+    def forward(self, idx: torch.Tensor, head_loss=None) -> torch.Tensor:
+        logits_or_loss = super().forward(idx, head_loss)
+        return logits_or_loss[..., : self.vocab_size] if head_loss is None else logits_or_loss
+
+
+def make_padded_head_lm(vocab_size: int, padding: int = 8) -> PaddedHeadLM:
+    return PaddedHeadLM(vocab_size, padding)

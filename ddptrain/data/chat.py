@@ -76,12 +76,12 @@ def _deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
 
 
-def _transformers():
+def _transformers(user: str = "data=sft"):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
     try:
         import transformers
     except ImportError:
-        raise DataError("data=sft needs transformers: pip install 'ddptrain[hf]'") from None
+        raise DataError(f"{user} needs transformers: pip install 'ddptrain[hf]'") from None
     return transformers
 
 
@@ -90,21 +90,23 @@ class ChatTokenizer:
 
     needs_text = True
 
-    def __init__(self, spec: str | None, chat_template: str | None = None):
+    def __init__(self, spec: str | None, chat_template: str | None = None, user: str = "data=sft"):
+        """`user`: what needs the chat tokenizer (data=sft, data=preference, evaluate --chat-template), for
+        the messages."""
         if spec in (None, "byte"):
-            raise DataError("data=sft needs a real tokenizer with an EOS token, not the byte tokenizer: use model=hf "
+            raise DataError(f"{user} needs a real tokenizer with an EOS token, not the byte tokenizer: use model=hf "
                             "with a tokenizer in model.path, or data.tokenizer=<dir>/tokenizer.json")
-        transformers = _transformers()
+        transformers = _transformers(user)
         import tokenizers  # transformers' backend, installed with it
 
         self.path = Path(spec).expanduser()
         if not self.path.is_file():
-            raise DataError(f"data.tokenizer: {self.path} is not a file (data=sft expects a tokenizer.json, read "
+            raise DataError(f"data.tokenizer: {self.path} is not a file ({user} expects a tokenizer.json, read "
                             "with the tokenizer_config.json beside it)")
         directory = self.path.parent
         if (directory / "tokenizer_config.json").is_file():
             if self.path.name != "tokenizer.json":  # AutoTokenizer would read the directory's tokenizer.json
-                raise DataError(f"data.tokenizer: {self.path} lies beside a tokenizer_config.json, so data=sft reads "
+                raise DataError(f"data.tokenizer: {self.path} lies beside a tokenizer_config.json, so {user} reads "
                                 "the directory as transformers saved it, whose tokenizer file is tokenizer.json, not "
                                 f"{self.path.name}; name it tokenizer.json, or move it to a directory of its own")
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
@@ -115,7 +117,7 @@ class ChatTokenizer:
         self.tokenizer_class = type(self.tokenizer).__name__
         if self.tokenizer.eos_token_id is None:
             raise DataError(f"data.tokenizer: {self.path} has no EOS token (eos_token in tokenizer_config.json): "
-                            "data=sft ends every completion with it")
+                            f"{user} ends every completion with it")
         self.template = self._template(chat_template)
         self.template_source = f"data.chat_template={chat_template}" if chat_template else f"of {self.path}"
         self._end_of_turn_checked = False

@@ -44,7 +44,7 @@ def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = Non
     whole = {"sft": sft, "preference": preference}.get(data_cfg.name)  # whole examples with a target mask
     is_whole = whole is not None
     if is_whole:
-        tokenizer = ChatTokenizer(data_cfg.tokenizer, data_cfg.chat_template)
+        tokenizer = ChatTokenizer(data_cfg.tokenizer, data_cfg.chat_template, f"data={data_cfg.name}")
     else:
         tokenizer = ByteTokenizer() if data_cfg.name == "tokens" else load_tokenizer(data_cfg.tokenizer)
     allow_dirs = data_cfg.name in ("hf", "sft", "preference")

@@ -41,7 +41,7 @@ FIELDS = ("prompt", "chosen", "rejected")
 _SKIPS = {
     "identical": "pair(s) whose chosen and rejected completions are the same tokens (nothing to prefer)",
     "too_long": "pair(s) with a sequence longer than batch.seq_len + 1 = {span} tokens (data.truncation=drop)",
-    "truncated": "pair(s) cut at batch.seq_len + 1 = {span} tokens (data.truncation=right)",
+    "truncated": "pair(s) at batch.seq_len + 1 = {span} tokens (data.truncation=right)",
     "no_target": "pair(s) with a completion left without any target after truncation",
 }
 
@@ -145,7 +145,7 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
     dtype = np.uint8 if vocab <= 1 << 8 else np.uint16 if vocab <= 1 << 16 else np.uint32
     tokens, mask = TokenWriter(tmp / "tokens.npy", dtype), TokenWriter(tmp / "mask.npy", np.uint8)
     names, docs, is_val = [], [], []
-    skips = _Skips()
+    skips, read_pairs = _Skips(), 0
     decoder = TextDecoder(data_cfg.on_decode_error)
     total = sum(p.stat().st_size for p in [*train_files, *val_files] if p.is_file())
     progress = BuildProgress(total, "B", f"preprocessing preference pairs with tokenizer {tokenizer.name}")
@@ -158,6 +158,7 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
                 if data_cfg.max_docs is not None and count >= data_cfg.max_docs:
                     break
                 count += 1
+                read_pairs += 1
                 progress.update(read)
                 pair = _sequences(name, encode_pair(name, record, tokenizer), data_cfg.truncation, seq_len + 1, skips)
                 if pair is None:
@@ -175,8 +176,10 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
         mask.close()
         progress.close()
     docs_array = np.asarray(docs, dtype=np.int64).reshape(-1, 6)
+    skipped = sft.skipped_in_words(skips.counts, skips.first, _SKIPS, seq_len + 1)
     splits = assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files),
-                           usable="preference pair with targets")
+                           usable="preference pair with targets",
+                           skipped=f"read {read_pairs} pair(s){': ' + skipped if skipped else ''}")
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array.reshape(-1, 3))
     ref = {"tokens": {"npy": "tokens.npy"}}

@@ -204,8 +204,7 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
         mask.close()
         progress.close()
     docs_array = np.asarray(docs, dtype=np.int64).reshape(-1, 3)
-    why = "; ".join(f"skipped {count} {_SKIPS[kind].format(span=span)}, e.g. {skips.first[kind]}"
-                    for kind, count in skips.counts.items() if count and kind != "truncated")
+    why = skipped_in_words(skips.counts, skips.first, _SKIPS, span)
     splits = assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files),
                            usable="example with a target", skipped=why)
     for split, array in splits.items():
@@ -214,6 +213,12 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
     return {"train": ref, "val": ref, "tokens": tokens.count, "skips": skips.counts, "skip_examples": skips.first,
             "short_documents": 0, "short_example": None, "replaced_documents": decoder.replaced_documents,
             "replaced_example": decoder.replaced_example}
+
+
+def skipped_in_words(counts: dict[str, int], first: dict[str, str], reasons: dict[str, str], span: int) -> str:
+    """What preprocessing left out, per reason with its count and first example (cut ones are kept)."""
+    return "; ".join(f"skipped {count} {reasons[kind].format(span=span)}, e.g. {first[kind]}"
+                     for kind, count in counts.items() if count and kind != "truncated")
 
 
 def warn_skips(meta: dict, seq_len: int, reasons: dict[str, str] = _SKIPS) -> None:

@@ -127,6 +127,30 @@ def check_output_contract(model: nn.Module, inputs, vocab_size: int, what: str) 
                          "data's vocabulary (one column per token id, aligned with the targets: nothing shifts them)")
 
 
+def head_width_problem(model: nn.Module) -> str | None:
+    """For a model that follows the head-loss protocol (ddptrain/contract/outputs.py): None when the
+    head it hands `head_loss` is as wide as the logits its forward returns, else both widths in words.
+    A head padded past the vocabulary would put its extra columns into the chunked head's softmax
+    and train another loss than the logits give. One forward of 4 tokens, eval mode, no grad."""
+    parameter = next(model.parameters(), None)
+    ids = torch.zeros(1, 4, dtype=torch.long, device=parameter.device if parameter is not None else "cpu")
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            width = logits_of(model(ids)).shape[-1]
+            headed = model(ids, head_loss=lambda hidden, head: head(hidden))
+    except Exception:  # noqa: BLE001 - a forward that needs more than token ids: its first step will say
+        return None
+    finally:
+        model.train(training)
+    head_width = headed.shape[-1] if isinstance(headed, torch.Tensor) else None
+    if head_width != width:
+        return (f"the head it hands head_loss= gives {head_width} columns but its logits have {width}: the chunked "
+                f"head would train on a softmax over {head_width} columns, not the logits' {width}")
+    return None
+
+
 def check_packed_isolation(model: nn.Module, what: str) -> None:
     """Refuse batch.pack unless a packed row computes each document exactly as if it were alone:
     one small forward on CPU of two documents packed in a row (idx, positions, segments) against

@@ -53,6 +53,9 @@ def _read_body(raw: bytes, accepted: tuple[str, ...]) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError("body", f"the request body is not valid JSON: {error}") from None
+    except RecursionError:  # json's decoder recurses once per nested array or object
+        raise RequestError("body", "the request body nests arrays or objects too deeply to parse; no field of "
+                                   "a request nests more than a few levels") from None
     if not isinstance(body, dict):
         raise RequestError("body", f"the request body must be a JSON object, not {type(body).__name__}")
     unknown = sorted(set(body) - set(accepted))
@@ -126,7 +129,7 @@ def check_text_fits(generator: Generator, texts: list[str], field: str) -> None:
     characters = sum(len(text) for text in texts if isinstance(text, str))  # others: a 400 of their own later
     at_least = characters // (2 * generator.longest_token_chars)
     if at_least > generator.context:
-        raise RequestError(field, f"{field} hold {characters} characters, at least {at_least} tokens, more than the "
+        raise RequestError(field, f"{field}: {characters} characters, at least {at_least} tokens, more than the "
                                   f"model's context of {generator.context} positions")
 
 

@@ -30,7 +30,7 @@ from ddptrain.engine.objective import Objective
 from ddptrain.engine.preference import DPOObjective
 from ddptrain.models.adapters import ModelAdapter, adapter_for
 from ddptrain.models import attention
-from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract
+from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract, head_width_problem
 from ddptrain.models.compiling import compile_model
 from ddptrain.models.lora import is_adapted
 from ddptrain.models.kernel_check import kernel_problem
@@ -126,6 +126,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None =
                  100 * trainable / total, "those alone" if not adapter.saves_frozen_weights(spec) else "all")
     if cfg.trainer.chunked_head:
         why_not = adapter.use_head_loss(model)
+        problem = head_width_problem(model) if why_not is None else None
+        if problem is not None:  # a head padded past the logits: another loss than the logits', silently
+            raise ConfigError(f"trainer.chunked_head=true, but {type(model).__name__} breaks the head-loss protocol: "
+                              f"{problem}. Make the head as wide as the logits (or the logits as wide as the "
+                              "head), or set trainer.chunked_head=false")
         if why_not is None:
             log.info("loss: the output head and the objective on the valid targets only, %d rows at a time "
                      "(trainer.chunked_head): no (B, T, V) logits", cfg.trainer.head_chunk_tokens

@@ -116,7 +116,7 @@ class Checkpointer:
     def on_fit_end(self, step: int) -> None:
         """The final weights; on a launch that had nothing left to train, says so."""
         self.save_final(step)
-        if not self._stepped:
+        if not self._stepped and step >= self.last_step:  # an early-stopped run: the trainer said why at start-up
             log.info("nothing to do: this run already finished at step %d (trainer.max_steps=%d); its weights are in "
                      "%s; raise trainer.max_steps to train on", step, self.last_step, self.run_dir.final)
 

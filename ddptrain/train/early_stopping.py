@@ -100,10 +100,18 @@ class EarlyStopping:
         improved, = _from_rank_zero([tracked.is_improvement(value)])
         tracked.update(value, end.step, improved)
         if tracked.bad_evals >= self.patience:
-            self.stopped = (f"early stopping: {tracked.metric} has not improved on {tracked.best} (step "
-                            f"{tracked.best_step}) by more than {tracked.min_delta} for {tracked.bad_evals} "
-                            f"evaluations (trainer.early_stopping.patience={self.patience})")
+            self.stopped = f"early stopping: {self._why(value)} (trainer.early_stopping.patience={self.patience})"
             end.stop = self.stopped
+
+    def _why(self, value: float) -> str:
+        """Why the run stops; a value that is not finite never improves, and is named as such."""
+        tracked, evals = self.tracked, self.tracked.bad_evals
+        if tracked.best is None:
+            return (f"{tracked.metric} was not finite ({value}) in each of the {evals} evaluations so far: a NaN or "
+                    "infinite value never counts as an improvement, so there is no best to wait for")
+        latest = "" if math.isfinite(value) else f"; the latest was {value}, which never counts as an improvement"
+        return (f"{tracked.metric} has not improved on {tracked.best} (step {tracked.best_step}) by more than "
+                f"{tracked.min_delta} for {evals} evaluations{latest}")
 
     def on_fit_end(self, step: int) -> None:
         pass

@@ -65,7 +65,7 @@ def read_task(path: str | Path) -> Task:
     """A task file; a DataError names the line and the rule it breaks."""
     path = Path(path).expanduser()
     items = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(_task_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -79,6 +79,10 @@ def read_task(path: str | Path) -> Task:
                             "scores an empty context after a BOS token, which a plain tokenizer does not have)")
         if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) for c in choices):
             raise DataError(f"{where}: choices={choices!r} must be a list of at least two strings")
+        blank = [index for index, choice in enumerate(choices) if not choice.strip()]
+        if blank:  # an empty continuation scores 0, above any real log-probability: it would always win
+            raise DataError(f"{where}: choice {blank[0]} {choices[blank[0]]!r} is empty or whitespace: every "
+                            "choice must hold text (an empty one has log-likelihood 0 and always wins)")
         if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
             raise DataError(f"{where}: label={label!r} must be an index into its {len(choices)} choices")
         delimiter = record.get("target_delimiter", " ")
@@ -88,6 +92,23 @@ def read_task(path: str | Path) -> Task:
     if not items:
         raise DataError(f"{path} holds no items")
     return Task(task_name(path), tuple(items))
+
+
+def _task_text(path: Path) -> str:
+    """The task file's text; a DataError for a directory, a file that cannot be read, bytes that are not UTF-8."""
+    if path.is_dir():
+        raise DataError(f"{path} is a directory: a task is a JSONL file (one item a line)")
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise DataError(f"{path}: cannot be read ({error.strerror or error})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        offset = error.start - (data.rfind(b"\n", 0, error.start) + 1)
+        raise DataError(f"{path}:{line}: byte {offset} of the line ({data[error.start]:#04x}) is not UTF-8 (a task "
+                        "file is UTF-8 JSONL: save it as UTF-8)") from None
 
 
 def encode_pair(encode: Encode, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -246,10 +267,11 @@ class TaskScorer:
         return result
 
 
-def run_tokenizer(tokenizer: str | None, chat: bool, chat_template: str | None = None
-                  ) -> tuple[Encode, Callable[[str], str] | None]:
+def run_tokenizer(tokenizer: str | None, chat: bool, chat_template: str | None = None,
+                  user: str = "trainer.eval_chat_template=true") -> tuple[Encode, Callable[[str], str] | None]:
     """(encode, render) for a run's data.tokenizer: `render` wraps a context in the chat template
-    (transformers' apply_chat_template, as the harness calls it) when `chat`, else None."""
+    (transformers' apply_chat_template, as the harness calls it) when `chat`, else None. `user`: the
+    switch that asked for the chat template, for the messages."""
     if not chat:
         from ddptrain.data.tokenizer import load_tokenizer
 
@@ -257,10 +279,9 @@ def run_tokenizer(tokenizer: str | None, chat: bool, chat_template: str | None =
         return (lambda text: plain.encode(text).tolist()), None
     from ddptrain.data.chat import ChatTokenizer
 
-    chat_tokenizer = ChatTokenizer(tokenizer, chat_template)
+    chat_tokenizer = ChatTokenizer(tokenizer, chat_template, user)
     if not chat_tokenizer.template:
-        raise DataError(f"trainer.eval_chat_template=true but {tokenizer} has no chat template (give "
-                        "data.chat_template=PATH)")
+        raise DataError(f"{user} but {tokenizer} has no chat template (give data.chat_template=PATH)")
     hf = chat_tokenizer.tokenizer
 
     def render(context: str) -> str:

@@ -11,7 +11,8 @@ after the metrics logger (which leaves each line on the StepEnd's `record`).
 
 Both import their library only when asked (optional extra `ddptrain[trackers]`), and neither may
 stop training: a failure is a warning naming the cause, and that tracker is off for the rest of
-the run.
+the run. An http(s) tracking server is probed first (a TCP connection within MLFLOW_PROBE_TIMEOUT_S):
+MLflow's own client retries with backoff for minutes before it gives up on a server that is not there.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from omegaconf import OmegaConf
 
@@ -33,6 +36,23 @@ log = logging.getLogger(__name__)
 
 MLFLOW_RUN_FILE = "mlflow.json"
 TENSORBOARD_DIR = "tensorboard"
+MLFLOW_PROBE_TIMEOUT_S = 3.0
+"""How long start-up waits for an http(s) tracking server to accept a connection before MLflow is off."""
+
+
+def probe_server(uri: str, timeout_s: float = MLFLOW_PROBE_TIMEOUT_S) -> None:
+    """For an http(s) URI, a ConnectionError unless its host accepts a TCP connection on its port
+    within `timeout_s`; other URIs (file:, sqlite:, databricks) are left to MLflow."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            pass
+    except OSError as error:
+        raise ConnectionError(f"no tracking server answers at {parts.hostname}:{port} within {timeout_s:g} s "
+                              f"({error.strerror or error})") from None
 
 
 def _scalars(record: dict) -> dict[str, float]:
@@ -115,6 +135,7 @@ class MLflowTracker(_Tracker):
                       run_name or self.run_dir.resolve().name, config, resume_step)
 
     def _start(self, uri: str, experiment: str, run_name: str, config: dict, resume_step: int | None) -> None:
+        probe_server(uri)  # seconds, where MLflow's retries take minutes
         if uri.startswith("file:") or "://" not in uri:  # asked for by name: MLflow 3 keeps the file store off
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.tracking import MlflowClient  # lazy: the optional extra

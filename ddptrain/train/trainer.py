@@ -161,8 +161,11 @@ class Trainer:
         for name, part in (("early_stopping", self.stopping), ("best", self.best)):
             if part is not None:
                 part.load_state_dict(evaluation.get(name))
-        if self._stopped_early():
-            log.info("this run stopped at step %d and trains no further (%s)", self.step, self.stopping.stopped)
+        if self._stopped_early():  # a relaunch, whatever its trainer.max_steps, trains no further
+            log.warning("this run stopped early at step %d (%s) and a relaunch trains no further, whatever "
+                        "trainer.max_steps (now %d); its weights are in final/. To train on, start a new run: another "
+                        "run.dir, or checkpoint.resume=none here (this run moves aside to previous/)", self.step,
+                        self.stopping.stopped, cfg.trainer.max_steps)
         self.trackers = trackers_from_config(cfg, self.step if saved else None)
 
     def _fingerprint_inputs(self, saved: dict) -> None:

@@ -175,6 +175,38 @@ def test_identical_completions_and_pairs_without_targets_are_skipped_counted_and
     assert f"skipped 1 pair(s) with a completion left without any target after truncation, e.g. {path}:6" in caplog.text
 
 
+def test_a_corpus_whose_every_pair_is_skipped_says_how_many_were_read_and_why_each_was_dropped(tmp_path):
+    """It said only 'the corpus is empty'."""
+    records = [{"prompt": "hello", "chosen": " same", "rejected": " same"},
+               {"prompt": "the " * 30, "chosen": " fine", "rejected": " bad"},
+               {"prompt": "hi", "chosen": " yes", "rejected": " yes"}]
+    path = tmp_path / "p.jsonl"
+    with pytest.raises(DataError) as error:
+        _load(tmp_path, records, seq_len=20, truncation="right")
+    assert str(error.value) == (
+        "the corpus is empty: no preference pair with targets in data.paths (read 3 pair(s): skipped 2 pair(s) whose "
+        f"chosen and rejected completions are the same tokens (nothing to prefer), e.g. {path}:1; skipped 1 pair(s) "
+        f"with a completion left without any target after truncation, e.g. {path}:2)")
+
+
+def test_pairs_cut_by_truncation_are_warned_in_plain_words(tmp_path, caplog):
+    """It said 'cut 1 pair(s) cut at'."""
+    records = [*random_pairs(4, seed=4), {"prompt": "hello", "chosen": " the" * 60, "rejected": " a"}]
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        _load(tmp_path, records, seq_len=40, truncation="right")
+    assert "cut 1 pair(s) at batch.seq_len + 1 = 41 tokens (data.truncation=right), e.g. " \
+           f"{tmp_path / 'p.jsonl'}:5" in caplog.text, caplog.text
+    assert "cut at" not in caplog.text
+
+
+def test_the_byte_tokenizer_by_default_is_refused_in_the_words_of_data_preference(tmp_path):
+    """data.tokenizer left unset (the byte tokenizer) was refused as 'data=sft needs a real tokenizer'."""
+    path = write_jsonl(tmp_path / "p.jsonl", random_pairs(2))
+    config = DataConfig(name="preference", paths=[str(path)], cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"^data=preference needs a real tokenizer with an EOS token, not the byte "):
+        load_splits(config, SEQ)
+
+
 def test_the_byte_tokenizer_is_refused():
     cfg = compose_config(["data=preference", "objective=dpo", "data.paths=[p.jsonl]", "data.tokenizer=byte"])
     with pytest.raises(ConfigError, match="data=preference needs a real tokenizer with an EOS token and a chat "

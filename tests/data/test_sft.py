@@ -383,13 +383,18 @@ def test_preprocessing_says_how_far_it_got_while_one_record_takes_long(caplog):
     from ddptrain.data.cache import BuildProgress
 
     progress = BuildProgress(100, "B", "preprocessing sft", every_s=0.2)
+    line = "preprocessing sft: 40.0% (40 / 100 B"
     try:
         with caplog.at_level(logging.INFO, logger="ddptrain"):
             progress.update(40)
-            time.sleep(1.0)  # one slow record: no update() call
+            # one slow record: no update() call. Waited for, not slept on: a loaded machine may wake the
+            # progress thread late, yet it must say it again (60 s: a hang guard, 0.4 s on an idle machine).
+            deadline = time.monotonic() + 60
+            while caplog.text.count(line) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
     finally:
         progress.close()
-    assert caplog.text.count("preprocessing sft: 40.0% (40 / 100 B") >= 2, caplog.text
+    assert caplog.text.count(line) >= 2, caplog.text
 
 
 def test_a_template_that_fails_to_render_is_named(tmp_path):

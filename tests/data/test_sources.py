@@ -300,25 +300,33 @@ def test_empty_and_whitespace_only_hf_rows_and_jsonl_fields_are_no_documents(tmp
 
 # -- the cache -------------------------------------------------------------------------------------
 
-def test_cache_is_reused_10x_faster_and_rebuilt_when_a_source_changes(tmp_path, caplog):
+def test_cache_is_reused_without_reading_the_corpus_and_rebuilt_when_a_source_changes(tmp_path, caplog,
+                                                                                       monkeypatch):
+    """A reuse reads no document of the corpus (what makes it cheap; the times are in docs/data.md,
+    a figure, never a test: a time ratio fails on a loaded machine)."""
+    from ddptrain.data import corpus
+
     path = tmp_path / "big.jsonl"
     with path.open("w") as handle:
-        for i in range(150_000):
+        for i in range(3_000):
             handle.write(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * 4}) + "\n")
     caplog.set_level(logging.INFO, logger="ddptrain")
-    timings = []
+    documents_read, read = [], corpus._documents
+
+    def counted(*args, **kwargs):
+        for document in read(*args, **kwargs):
+            documents_read[-1] += 1
+            yield document
+
+    monkeypatch.setattr(corpus, "_documents", counted)
     for _ in range(3):
-        started = time.perf_counter()
+        documents_read.append(0)
         data = _load(tmp_path, "jsonl", [path])
-        timings.append(time.perf_counter() - started)
     entries = [p for p in (tmp_path / "cache").iterdir()]
     assert len(entries) == 1 and (entries[0] / "meta.json").is_file()
     assert caplog.text.count("data: built cache entry") == 1 and caplog.text.count("data: reused cache entry") == 2
-    # Relative timing only, on a corpus where the build is ~50x the reuse on an idle machine;
-    # the faster of two reuses, so one scheduling hiccup on a shared CPU does not decide it.
-    build, reuse = timings[0], min(timings[1:])
-    assert build >= 10 * reuse, f"build {build:.3f}s vs reuse {reuse:.3f}s"
-    assert len(data.train) > 140_000
+    assert documents_read == [3_000, 0, 0]
+    assert len(data.train) > 2_800
     with path.open("a") as handle:  # a changed source (size and mtime) gets a new entry
         handle.write(json.dumps({"text": "one more document"}) + "\n")
     grown = _load(tmp_path, "jsonl", [path])
@@ -343,7 +351,7 @@ def test_waiting_ranks_get_the_entry_or_the_builders_error(tmp_path):
     waiter.start()
     time.sleep(0.1)
     built = cache_module.build_or_wait(tmp_path, "k1", slow_build, is_builder=True)
-    waiter.join(timeout=10)
+    waiter.join(timeout=120)  # a hang guard: the build sleeps 0.5 s
     meta = results["waiter"][1]
     assert built[2] is True and meta.pop("checksums").keys() == {"x.npy"} and meta == {"ok": 1}
     assert results["waiter"][2] is False
@@ -397,7 +405,7 @@ def test_a_failure_marker_of_an_earlier_launch_does_not_fail_the_next_one(tmp_pa
         waiter.start()
         time.sleep(0.2)
         cache_module.build_or_wait(tmp_path, key, build, is_builder=True)
-        waiter.join(timeout=10)
+        waiter.join(timeout=120)  # a hang guard: the build sleeps 0.5 s
         outcome = results["waiter"]  # (entry, meta, built), or (None, the waiter's error)
         assert isinstance(outcome[1], dict) and outcome[1]["ok"] == 1, outcome
 

@@ -167,3 +167,16 @@ def test_a_target_model_that_takes_head_loss_trains_the_same_through_the_chunked
     assert "loss: the output head and the objective on the valid targets only, 7 rows at a time" in logs[True]
     assert "loss: the output head" not in logs[False]
     assert curves[True] == pytest.approx(curves[False], rel=1e-9, abs=0)
+
+
+def test_a_target_model_whose_head_is_wider_than_its_logits_is_refused_naming_both_widths(tmp_path):
+    """A head padded past the vocabulary trained another loss through the chunked head than through
+    the logits, silently; it is a config error at start-up, and trains with trainer.chunked_head=false."""
+    common = [*MODEL_RUN, "model=custom", "model._target_=tests.toy_models.make_padded_head_lm", "trainer.max_steps=1"]
+    refused = run_cli([*common, f"run.dir={tmp_path / 'chunked'}"])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "config error: trainer.chunked_head=true, but PaddedHeadLM breaks the head-loss protocol: the head it " \
+           "hands head_loss= gives 264 columns but its logits have 256" in refused.stderr, refused.stderr[-3000:]
+    assert not (tmp_path / "chunked" / "checkpoints").exists()
+    plain = run_cli([*common, "trainer.chunked_head=false", f"run.dir={tmp_path / 'plain'}"])
+    assert plain.returncode == 0, plain.stderr[-3000:]

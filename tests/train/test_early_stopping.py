@@ -135,3 +135,44 @@ def test_a_stopping_rule_that_names_no_evaluated_metric_is_a_config_error(overri
     with pytest.raises(ConfigError) as error:
         validate(cfg, 1)
     assert words in str(error.value)
+
+
+def _stop_reason(val_losses: list[float], patience: int = 2) -> str | None:
+    from ddptrain.train.components import StepEnd
+    from ddptrain.train.early_stopping import EarlyStopping
+
+    stopping = EarlyStopping("val_loss", "min", patience)
+    for step, value in enumerate(val_losses, 1):
+        end = StepEnd(step=step, last=False, stats=None, lr=0.1, val_loss=value)
+        stopping.on_step_end(end)
+        if end.stop:
+            return end.stop
+    return None
+
+
+def test_a_validation_loss_that_is_not_finite_stops_the_run_with_a_message_that_says_so():
+    """It said 'has not improved on None (step None)'."""
+    reason = _stop_reason([float("nan"), float("nan")])
+    assert "None" not in reason, reason
+    assert "val_loss was not finite (nan) in each of the 2 evaluations so far" in reason, reason
+    assert "never counts as an improvement" in reason and "patience=2" in reason, reason
+    reason = _stop_reason([3.0, float("inf"), float("nan")])
+    assert "has not improved on 3.0 (step 1)" in reason and "the latest was nan" in reason, reason
+    assert _stop_reason([3.0, 2.0, 1.0]) is None
+
+
+def test_relaunching_a_stopped_run_with_more_steps_says_it_stopped_early_and_how_to_train_on(stopped_run, tmp_path):
+    """It said 'raise trainer.max_steps to train on', which trains no further."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_run[0], run_dir)
+    _, stop_step = expected_decision(_val_losses(run_dir), PATIENCE)
+    before = read_metrics(run_dir)
+    longer = [override for override in STOPPING if not override.startswith("trainer.max_steps")]
+    result = _ok(run_cli([*longer, "trainer.max_steps=40", f"run.dir={run_dir}"]))
+    assert read_metrics(run_dir) == before
+    assert "raise trainer.max_steps" not in result.stderr, result.stderr[-3000:]
+    assert f"this run stopped early at step {stop_step} (early stopping: val_loss has not improved" in result.stderr
+    assert "a relaunch trains no further, whatever trainer.max_steps (now 40)" in result.stderr, result.stderr[-3000:]
+    assert "start a new run: another run.dir, or checkpoint.resume=none" in result.stderr

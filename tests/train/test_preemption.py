@@ -11,16 +11,17 @@ import sys
 
 import pytest
 
-# Signalled at once, then 12 step boundaries 0.2 s apart (2.4 s, against a 0.5 s grace) without a
+# Signalled at once, then 100 step boundaries 0.02 s apart (2 s, against a 0.5 s grace) without a
 # preemption check among them (check_every=1000), then none: the watchdog must let the moving
-# steps be and end the process only in the still part.
+# steps be and end the process only in the still part. A step 25x shorter than the grace, and a
+# still part 20x longer: a loaded machine that wakes a sleeper late changes neither verdict.
 _RANK = """
 import os, signal, time, torch
 from ddptrain.train.preemption import PreemptionWatcher
 watcher = PreemptionWatcher(["SIGUSR1"], torch.device("cpu"), grace_s=0.5, check_every=1000)
 os.kill(os.getpid(), signal.SIGUSR1)
-for step in range(1, 13):
-    time.sleep(0.2)
+for step in range(1, 101):
+    time.sleep(0.02)
     assert not watcher.should_stop_at(step)
 print("steps moved", flush=True)
 time.sleep(10)

@@ -119,6 +119,9 @@ def test_acc_norm_divides_by_the_choice_length_in_utf8_bytes():
     ('{"context": "q", "choices": ["a"], "label": 0}', "must be a list of at least two strings"),
     ('{"context": "q", "choices": ["a", "b"], "label": 2}', "label=2 must be an index into its 2 choices"),
     ('{"context": "q", "choices": ["a", "b"], "label": 0', "not JSON"),
+    # an empty continuation has log-likelihood 0, above any real choice's: it would always win
+    ('{"context": "q", "choices": ["a", ""], "label": 0}', "choice 1 '' is empty or whitespace"),
+    ('{"context": "q", "choices": [" \\t", "b"], "label": 1}', "choice 0 ' \\t' is empty or whitespace"),
 ])
 def test_a_task_line_that_breaks_the_format_is_named_with_its_rule(tmp_path, line, words):
     path = tmp_path / "bad.jsonl"
@@ -126,6 +129,75 @@ def test_a_task_line_that_breaks_the_format_is_named_with_its_rule(tmp_path, lin
     with pytest.raises(DataError, match=f"{path}:2: ") as error:
         read_task(path)
     assert words in str(error.value)
+
+
+# -- bad input to `python -m ddptrain.evaluate` and trainer.eval_tasks: one line, no traceback ----------
+
+
+@pytest.fixture(scope="module")
+def run_with_best(tmp_path_factory) -> Path:
+    """The built-in GPT trained 2 steps with best/ (checkpoint.keep_best) beside final/."""
+    run_dir = tmp_path_factory.mktemp("best") / "run"
+    _ok(run_cli([*RESUME_RUN, "trainer.max_steps=2", "trainer.eval_every=1", "checkpoint.keep_best=val_loss",
+                 f"run.dir={run_dir}"]))
+    return run_dir
+
+
+def _one_line_error(result, prefix: str, *words: str) -> str:
+    """The command failed with rc 2 and one line naming `words`, no traceback."""
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if prefix in line]
+    for word in words:
+        assert word in line, line
+    return line
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["final tampered", "best truncated", "task is a directory", "task not utf-8",
+                                  "chat template of the byte tokenizer"])
+def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line(run_with_best, tmp_path, case):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run_with_best, run_dir)
+    task = tmp_path / "mc.jsonl"
+    task.write_text('{"context": "the cat", "choices": ["sat", "ran"], "label": 0}\n')
+    args, words = [str(run_dir), str(task)], []
+    if case == "final tampered":
+        _flip_a_byte(run_dir / "final" / "model.safetensors")
+        words = [f"{run_dir / 'final' / 'model.safetensors'} is corrupted"]
+    elif case == "best truncated":
+        weights = run_dir / "best" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:200])
+        args, words = [*args, "--which", "best"], [f"{weights} is corrupted"]
+    elif case == "task is a directory":
+        task.unlink()
+        task.mkdir()
+        words = [f"{task} is a directory"]
+    elif case == "chat template of the byte tokenizer":  # it named data=sft
+        args, words = [*args, "--chat-template"], ["evaluate --chat-template needs a real tokenizer"]
+    else:  # latin-1 on the second line
+        task.write_bytes(task.read_bytes() + '{"context": "café", "choices": ["a", "b"], "label": 0}\n'.encode("latin-1"))
+        words = [f"{task}:2: ", "is not UTF-8"]
+    result = subprocess.run([sys.executable, "-m", "ddptrain.evaluate", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    _one_line_error(result, "evaluate error: ", *words)
+
+
+def test_a_task_file_that_is_not_utf8_in_trainer_eval_tasks_is_a_data_error_before_training(tmp_path):
+    task = tmp_path / "mc.jsonl"
+    task.write_bytes(b'{"context": "the cat", "choices": ["sat", "ran"], "label": 0}\n'
+                     + '{"context": "café", "choices": ["a", "b"], "label": 0}\n'.encode("latin-1"))
+    run_dir = tmp_path / "run"
+    result = run_cli([*RESUME_RUN, "trainer.max_steps=2", f"trainer.eval_tasks=[{task}]", f"run.dir={run_dir}"])
+    _one_line_error(result, "data error: ", f"{task}:2: ", "is not UTF-8")
+    assert not (run_dir / "checkpoints").exists() and not read_metrics(run_dir)  # nothing trained
 
 
 # -- in the loop: equal to the reference forward on the step's weights ------------------------------

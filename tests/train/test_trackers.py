@@ -71,3 +71,27 @@ def test_an_mlflow_store_that_cannot_be_written_warns_and_training_goes_on(tmp_p
     assert "training goes on" in result.stderr
     assert [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3]
     assert (run_dir / "final").is_dir()
+
+
+def test_an_mlflow_server_that_is_not_there_warns_within_seconds_and_training_goes_on(tmp_path):
+    """MLflow's client retried with backoff for about four minutes, silently, before the run trained."""
+    import time
+
+    from ddptrain.testing import free_port
+    from ddptrain.train.trackers import MLflowTracker
+
+    import_optional("mlflow")
+    uri = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
+    started = time.monotonic()
+    tracker = MLflowTracker(tmp_path / "direct", uri, "ddptrain", None, {}, None)
+    took = time.monotonic() - started
+    assert not tracker.enabled
+    # The probe gives up after 3 s at most (a refused connection: at once); MLflow's retries took ~240 s.
+    assert took < 60, took
+    run_dir = tmp_path / "run"
+    result = _ok(run_cli([*RESUME_RUN, "trainer.max_steps=3", f"logger.mlflow.tracking_uri={uri}",
+                          f"run.dir={run_dir}"]))
+    assert f"MLflow (logger.mlflow) failed while starting with tracking_uri={uri} (ConnectionError: no tracking " \
+           "server answers at 127.0.0.1:" in result.stderr, result.stderr[-3000:]
+    assert "it is off for the rest of this run, training goes on" in result.stderr
+    assert [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3]
