@@ -27,12 +27,11 @@ from omegaconf import OmegaConf
 
 from ddptrain.config.schema import TrainConfig
 from ddptrain.distributed import is_rank_zero
+from ddptrain.runs.layout import FINAL, MLFLOW_RUN_FILE, TENSORBOARD
 from ddptrain.train.components import StepEnd
 
 log = logging.getLogger(__name__)
 
-MLFLOW_RUN_FILE = "mlflow.json"
-TENSORBOARD_DIR = "tensorboard"
 
 
 def _scalars(record: dict) -> dict[str, float]:
@@ -80,7 +79,7 @@ class TensorBoardTracker(_Tracker):
     def __init__(self, run_dir: str | Path, config: dict, resume_step: int | None):
         super().__init__()
         self.writer = None
-        self._guarded("starting", self._start, Path(run_dir) / TENSORBOARD_DIR, config, resume_step)
+        self._guarded("starting", self._start, Path(run_dir) / TENSORBOARD, config, resume_step)
 
     def _start(self, directory: Path, config: dict, resume_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # lazy: needs the tensorboard package
@@ -158,7 +157,7 @@ class MLflowTracker(_Tracker):
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def on_fit_end(self, step: int) -> None:
-        final = self.run_dir / "final"
+        final = self.run_dir / FINAL
         if self.log_final and final.is_dir():
             self._guarded("logging final/ as an artifact", self.client.log_artifacts, self.run_id, str(final), "final")
 
