@@ -88,9 +88,19 @@ class Reference:
             self._weights = weights_fingerprint(self.model)
         return self._weights
 
+    def drop_frozen_copy(self) -> None:
+        """Free a full fine-tune's frozen copy once every pair's log-probs are precomputed: nothing
+        calls it again (`fill` skips pairs that carry theirs), and the memory plan counts none."""
+        if not self.disables_adapter:
+            self.weights  # noqa: B018 - fingerprinted before the weights go: the run's input fingerprint reads it
+            self.model = None
+
     @torch.no_grad()
     def logps(self, inputs, pairs: PairTargets) -> torch.Tensor:
         """(S,) float64: each sequence's summed target log-probs under the reference."""
+        if self.model is None:
+            raise RuntimeError("the reference's log-probs were precomputed and its frozen copy dropped, but a "
+                               "microbatch carries none")
         precision, device = self.engine.precision, self.engine.device
         autocast = (torch.autocast(device.type, dtype=AUTOCAST[precision]) if precision in AUTOCAST
                     else contextlib.nullcontext())
@@ -109,11 +119,13 @@ class Reference:
         filler forwards up to `max_microbatches`, so that every rank joins every collective."""
         filled = []
         device = self.engine.device
+        computed = False  # precomputed log-probs (on every rank alike): no forward, so no filler either
         for inputs, pairs in microbatches:
             if pairs.reference is None:
                 pairs = pairs.with_reference(self.logps(_on(device, inputs), pairs.to(device)))
+                computed = True
             filled.append((inputs, pairs))
-        if self.engine.strategy.communicates_every_microbatch and max_microbatches and filled:
+        if self.engine.strategy.communicates_every_microbatch and max_microbatches and filled and computed:
             inputs, pairs = filled[0]
             for _ in range(max_microbatches - len(filled)):
                 self.logps(_on(device, filler_inputs(inputs)), PairTargets.empty(pairs.to(device)))
