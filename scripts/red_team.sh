@@ -39,6 +39,13 @@
 #   29 every example skipped                             test_sft.py (the skip counts in the message)
 #   30 a looping/flooding/huge template, a huge line     test_sft.py (named errors), progress every 10 s
 #   31 n: true / 1.0                                     test_serve.py (400)
+#   32 a full fine-tune DPO resumed over other weights   test_dpo.py (refused by key, nothing written;
+#      at model.path                                     the weights put back: resumes exactly)
+#   33 a damaged reference cache entry: flipped bits,    test_dpo.py (warned by name, recomputed, the
+#      truncated, no array, too short, NaN, no checksum  clean run's loss)
+#   34 an export into best/, servable-best/,             test_export.py (refused in one line, nothing
+#      tensorboard/, previous/ of a run                  written), test_layout.py (one list, every writer)
+#   35 a DPO memory plan                                 test_memory_plan.py (2 rows a pair, the frozen copy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marker=()
@@ -66,4 +73,10 @@ exec python -m pytest -q "${marker[@]}" tests/runs/test_healing.py tests/runs/te
     "tests/data/test_sft.py::test_a_corpus_whose_every_example_is_skipped_says_how_many_and_why" \
     "tests/data/test_sft.py::test_a_glob_that_matches_a_directory_and_a_template_that_is_not_utf8_are_data_errors" \
     "tests/data/test_sft.py::test_a_template_that_loops_or_floods_and_a_huge_template_or_line_are_named_errors" \
-    "tests/data/test_sft.py::test_preprocessing_says_how_far_it_got_while_one_record_takes_long"
+    "tests/data/test_sft.py::test_preprocessing_says_how_far_it_got_while_one_record_takes_long" \
+    "tests/train/test_dpo.py::test_a_full_fine_tune_does_not_resume_against_other_weights_at_model_path" \
+    "tests/train/test_dpo.py::test_a_damaged_reference_cache_entry_is_recomputed_with_a_warning_never_trained_against" \
+    "tests/commands/test_export.py::test_an_export_into_a_run_dirs_best_or_servable_best_is_refused_on_the_command_line" \
+    tests/runs/test_layout.py \
+    "tests/train/test_memory_plan.py::test_a_dpo_plan_counts_two_rows_per_pair_and_the_frozen_reference_of_a_full_fine_tune" \
+    "tests/train/test_memory_plan.py::test_a_lora_dpo_plan_holds_no_reference_copy"
