@@ -244,10 +244,11 @@ def test_a_dpo_plan_counts_two_rows_per_pair_and_the_frozen_reference_of_a_full_
     assert all(plan.activations.bytes == token_2k[label].activations.bytes for label, plan in precomputed.items())
 
 
+@pytest.mark.slow  # peft and a transformers model
 def test_a_lora_dpo_plan_holds_no_reference_copy(tmp_path):
     import_optional("peft")
     model_dir = save_pretrained_llama(tmp_path / "llama")
-    plans, counts, layout, table = _plan(["model=hf", f"model.path={model_dir}", "model.lora.r=4", "objective=dpo",
+    _, counts, layout, table = _plan(["model=hf", f"model.path={model_dir}", "model.lora.r=4", "objective=dpo",
                                           "data=preference", "data.paths=[p.jsonl]", "batch.seq_len=32",
                                           "batch.global_size=8", "batch.micro_size=2"])
     assert layout.micro_batch_size == 4 and counts.reference_bytes == 0
