@@ -249,7 +249,7 @@ def test_a_lora_dpo_plan_holds_no_reference_copy(tmp_path):
     import_optional("peft")
     model_dir = save_pretrained_llama(tmp_path / "llama")
     _, counts, layout, table = _plan(["model=hf", f"model.path={model_dir}", "model.lora.r=4", "objective=dpo",
-                                          "data=preference", "data.paths=[p.jsonl]", "batch.seq_len=32",
-                                          "batch.global_size=8", "batch.micro_size=2"])
+                                      "data=preference", "data.paths=[p.jsonl]", "batch.seq_len=32",
+                                      "batch.global_size=8", "batch.micro_size=2"])
     assert layout.micro_batch_size == 4 and counts.reference_bytes == 0
     assert "base with the LoRA adapter disabled" in table and " reference " not in table.splitlines()[2]
