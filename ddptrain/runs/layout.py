@@ -3,12 +3,12 @@
     <run.dir>/.lock  config.yaml  train.log  metrics.jsonl  checkpoints/step_N/  final/  best/
               servable/  servable-best/  previous/<time>/  tensorboard/  wandb/  mlflow.json  .failpoints/
 
-Every writer takes its name from here, and every guard reads RUN_ENTRIES: the start-up check that a
-run dir holds nothing but a run's files (runs/rundir.py), a fresh start that moves an earlier run
-to previous/, and export, which refuses to write into any of them (a later launch, serve or resume
-replaces, purges or rebuilds them, and what was written there goes with them). A writer of a new
-name adds it here, or tests/runs/test_layout.py, which lists what a run with everything on wrote,
-fails.
+Every writer takes its name from here, and every guard reads the list: the start-up check that a
+directory is a run's (RUN_MARKERS) and a fresh start that moves an earlier run to previous/
+(EARLIER_RUN), both in runs/rundir.py, and export, which refuses to write into any entry (a later
+launch, serve or resume replaces, purges, rebuilds or moves it, and what was written there goes
+with it). A writer of a new name adds it here, or tests/runs/test_layout.py, which lists what a
+run with every writer on leaves, fails.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ RUN_ENTRIES: dict[str, str] = {
     CONFIG_FILE: "the resolved config of the launch that trained last",
     LOG_FILE: "the console log, appended by every launch",
     METRICS_FILE: "one JSON object per logged step, cut back to the step a resume continues from",
-    CHECKPOINTS: "checkpoints/step_N/, purged to checkpoint.keep_last",
+    CHECKPOINTS: "checkpoints/step_N/, purged to checkpoint.keep",
     FINAL: "the final weights, replaced at every end",
     BEST: "the best weights by checkpoint.keep_best, replaced at every improvement",
     SERVABLE: "final/ as a transformers directory, rebuilt by serve when final/ changes",

@@ -3,7 +3,8 @@ continues from, and moving an earlier run (or an abandoned trajectory) aside.
 
     <run.dir>/.lock  config.yaml  train.log  metrics.jsonl  checkpoints/step_N/  final/  previous/<time>/
 
-(every entry a run writes: ddptrain/runs/layout.py, the one list that the guards here and export read).
+(every entry a run writes, and what each holds: ddptrain/runs/layout.py, the one list).
+
 A run dir is empty or new when a first run starts there: one with other files (a user's
 config.yaml) is refused by name, never written into. One run per run dir: a fresh start, or a
 resume from another run's checkpoint, moves what an earlier run left to previous/<time>/ (nothing
@@ -27,7 +28,7 @@ from ddptrain.config.schema import TrainConfig
 from ddptrain.distributed import Rank0Filter, barrier, is_rank_zero, raise_on_every_rank
 from ddptrain.fsutil import describe_write_error, fsync_dir, fsync_file, make_dirs, move
 from ddptrain.runs import store
-from ddptrain.runs.layout import (CONFIG_FILE, EARLIER_RUN, LOG_FILE, METRICS_FILE, PREVIOUS, RUN_ENTRIES, RUN_MARKERS)
+from ddptrain.runs.layout import CONFIG_FILE, EARLIER_RUN, LOG_FILE, METRICS_FILE, PREVIOUS, RUN_ENTRIES, RUN_MARKERS
 from ddptrain.runs.lock import RunDirError, RunDirLock, RunDirLocked
 from ddptrain.runs.resume import check_config, defaults_of, log_applied, model_defaults
 from ddptrain.runs.weights import BEST, SPEC_FILE, final_dir
