@@ -24,7 +24,8 @@ from ddptrain.models import GPT, lora
 from ddptrain.models.adapters import GENERATION_CONFIG
 from ddptrain.models.hf import TOKENIZER_FILES
 from ddptrain.models.spec import ModelError
-from ddptrain.runs.rundir import MANAGED, managing_run
+from ddptrain.runs.layout import RUN_ENTRIES
+from ddptrain.runs.rundir import managing_run
 from ddptrain.runs.store import CheckpointError
 from ddptrain.runs.weights import (FINAL, WHICH, TrainedWeights, checkpoint_tokenizer_files, find_weights,
                                   load_trained, save_tokenizer_files)
@@ -70,9 +71,11 @@ def check_paths(run_dir: Path, out_dir: Path) -> None:
     managed = managing_run(out_dir)
     if managed is not None:
         run, name = managed
-        raise ExportError(f"output directory {out_dir} is inside {run / name}, which the run manages: its next launch "
-                          f"replaces, purges or rebuilds {name}/ and the export with it; pick a path outside "
-                          f"{', '.join(f'{n}/' for n in MANAGED)} of a run dir")
+        what = RUN_ENTRIES[name]
+        where = "is" if Path(out_dir).expanduser().resolve() == (run / name).resolve() else "is inside"
+        raise ExportError(f"output directory {out_dir} {where} {run / name}, which the run manages ({what}): a later "
+                          f"launch, serve or resume replaces, purges, rebuilds or moves it, and the export with it; "
+                          f"pick a path outside a run dir's own entries ({', '.join(RUN_ENTRIES)})")
     if out_dir.exists() and not _is_empty_dir(out_dir):
         raise ExportError(f"output directory {out_dir} already exists and is not empty; pick a new path")
 

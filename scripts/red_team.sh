@@ -39,6 +39,13 @@
 #   29 every example skipped                             test_sft.py (the skip counts in the message)
 #   30 a looping/flooding/huge template, a huge line     test_sft.py (named errors), progress every 10 s
 #   31 n: true / 1.0                                     test_serve.py (400)
+#   32 a full fine-tune DPO resumed over other weights   test_dpo.py (refused by key, nothing written;
+#      at model.path                                     the weights put back: resumes exactly)
+#   33 a damaged reference cache entry: flipped bits,    test_dpo.py (warned by name, recomputed, the
+#      truncated, no array, too short, NaN, no checksum  clean run's loss)
+#   34 an export into best/, servable-best/,             test_export.py (refused in one line, nothing
+#      tensorboard/, previous/ of a run                  written), test_layout.py (one list, every writer)
+#   35 a DPO memory plan                                 test_memory_plan.py (2 rows a pair, the frozen copy)
 #   40 an empty or whitespace-only task choice            test_tasks.py (data error naming file and line)
 #   41 an MLflow server that is not there                 test_trackers.py (warned within seconds, training goes on)
 #   42 a _target_ head wider than its logits              test_chunked_engine.py (config error naming both widths)
@@ -87,4 +94,10 @@ exec python -m pytest -q "${marker[@]}" tests/runs/test_healing.py tests/runs/te
     "tests/train/test_early_stopping.py::test_relaunching_a_stopped_run_with_more_steps_says_it_stopped_early_and_how_to_train_on" \
     "tests/data/test_preference.py::test_a_corpus_whose_every_pair_is_skipped_says_how_many_were_read_and_why_each_was_dropped" \
     "tests/data/test_preference.py::test_pairs_cut_by_truncation_are_warned_in_plain_words" \
-    "tests/data/test_preference.py::test_the_byte_tokenizer_by_default_is_refused_in_the_words_of_data_preference"
+    "tests/data/test_preference.py::test_the_byte_tokenizer_by_default_is_refused_in_the_words_of_data_preference" \
+    "tests/train/test_dpo.py::test_a_full_fine_tune_does_not_resume_against_other_weights_at_model_path" \
+    "tests/train/test_dpo.py::test_a_damaged_reference_cache_entry_is_recomputed_with_a_warning_never_trained_against" \
+    "tests/commands/test_export.py::test_an_export_into_a_run_dirs_best_or_servable_best_is_refused_on_the_command_line" \
+    tests/runs/test_layout.py \
+    "tests/train/test_memory_plan.py::test_a_dpo_plan_counts_two_rows_per_pair_and_the_frozen_reference_of_a_full_fine_tune" \
+    "tests/train/test_memory_plan.py::test_a_lora_dpo_plan_holds_no_reference_copy"

@@ -1,6 +1,9 @@
 """What defines a run beyond its config, fingerprinted into every checkpoint and compared on resume.
 
     model   the architecture the `model` section does not spell out: model=hf's config.json
+    reference  objective=dpo with full fine-tuning: the sha256 of the frozen reference's weights, the
+            initial weights rebuilt from model.path (or the seed) at every launch; another model there
+            would silently change the objective (LoRA's base is ModelSpec.base_weights, checked on load)
     data    the corpus: its source files (names relative to their common directory, sizes, mtimes),
             the tokenizer's (and chat template's) hash, the number of training documents, and the
             number of valid training targets (the objective's divisor over the data: an upgrade that
@@ -23,14 +26,16 @@ from typing import Any
 from ddptrain.runs.store import CheckpointError
 from ddptrain.runs.resume import config_changes, flatten
 
-ADDED = ("data.tokenizer_class", "data.targets")
+ADDED = ("data.tokenizer_class", "data.targets", "reference.weights")
 """Keys a later ddptrain fingerprints; a checkpoint without one (an older ddptrain's) is not compared on it."""
 
 log = logging.getLogger(__name__)
 
 
-def run_fingerprint(model_architecture: dict, data_inputs: dict) -> dict:
-    return {"model": model_architecture, "data": data_inputs}
+def run_fingerprint(model_architecture: dict, data_inputs: dict, reference_weights: str | None = None) -> dict:
+    """`reference_weights`: the sha256 of DPO's frozen reference (full fine-tuning), else None."""
+    reference = {"reference": {"weights": reference_weights}} if reference_weights is not None else {}
+    return {"model": model_architecture, "data": data_inputs, **reference}
 
 
 def check_fingerprint(saved: dict | None, current: dict, accept_changed_data: bool) -> list[tuple[str, Any, Any]]:
@@ -51,6 +56,11 @@ def check_fingerprint(saved: dict | None, current: dict, accept_changed_data: bo
         if [key for key, _, _ in refused if key.startswith("data.")] == ["data.targets"]:
             override = (" The same files now make other targets: this ddptrain tokenizes or masks them otherwise than "
                         "the one that wrote the checkpoint." + override)
+        if any(key == "reference.weights" for key, _, _ in refused):
+            override += (" reference.weights is the sha256 of DPO's reference, the frozen copy of the initial weights "
+                         "(model.path's) that a full fine-tune is optimised against: they changed since the run "
+                         "started, so it would continue against another model. No switch accepts that: put the "
+                         "weights the run started from back at model.path, or start a new run from the new ones.")
         raise CheckpointError(f"the run's inputs differ from the checkpoint's: {lines}. Resume with the inputs the run "
                               f"was trained on, or start a new run (another run.dir, or checkpoint.resume=none)."
                               f"{override}")

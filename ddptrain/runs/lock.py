@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from ddptrain.fsutil import pid_is_running
+from ddptrain.runs.layout import LOCK
 
 log = logging.getLogger(__name__)
 
-LOCK = ".lock"
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 60.0
 

@@ -3,6 +3,8 @@ continues from, and moving an earlier run (or an abandoned trajectory) aside.
 
     <run.dir>/.lock  config.yaml  train.log  metrics.jsonl  checkpoints/step_N/  final/  previous/<time>/
 
+(every entry a run writes, and what each holds: ddptrain/runs/layout.py, the one list).
+
 A run dir is empty or new when a first run starts there: one with other files (a user's
 config.yaml) is refused by name, never written into. One run per run dir: a fresh start, or a
 resume from another run's checkpoint, moves what an earlier run left to previous/<time>/ (nothing
@@ -26,15 +28,12 @@ from ddptrain.config.schema import TrainConfig
 from ddptrain.distributed import Rank0Filter, barrier, is_rank_zero, raise_on_every_rank
 from ddptrain.fsutil import describe_write_error, fsync_dir, fsync_file, make_dirs, move
 from ddptrain.runs import store
-from ddptrain.runs.lock import LOCK, RunDirError, RunDirLock, RunDirLocked
+from ddptrain.runs.layout import CONFIG_FILE, EARLIER_RUN, LOG_FILE, METRICS_FILE, PREVIOUS, RUN_ENTRIES, RUN_MARKERS
+from ddptrain.runs.lock import RunDirError, RunDirLock, RunDirLocked
 from ddptrain.runs.resume import check_config, defaults_of, log_applied, model_defaults
-from ddptrain.runs.weights import BEST, FINAL, SPEC_FILE, final_dir
+from ddptrain.runs.weights import BEST, SPEC_FILE, final_dir
 
 log = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.yaml"
-LOG_FILE = "train.log"
-METRICS_FILE = "metrics.jsonl"
 
 
 class RunDir:
@@ -192,10 +191,6 @@ class RunDir:
         raise_on_every_rank(error, RunDirError)  # the barrier: no rank trains before they are gone
 
 
-RUN_MARKERS = (LOCK, LOG_FILE, METRICS_FILE, "checkpoints", FINAL, "previous")
-"""What only a run dir holds: one of them makes a directory a run's (started, refused late, or done)."""
-
-
 def refuse_others_files(run_dir: Path) -> None:
     """A run writes only into a directory that is not there yet, is empty, or is a run dir (one of
     RUN_MARKERS): its config.yaml, train.log and metrics.jsonl would overwrite a user's files of those
@@ -214,20 +209,17 @@ def refuse_others_files(run_dir: Path) -> None:
                       f"run.dir={run_dir / 'run'}; nothing was written")
 
 
-MANAGED = ("checkpoints", FINAL, "servable", "previous")
-"""The directories a run replaces, purges, rebuilds or fills: nothing else may be written there."""
-
-
 def managing_run(path: str | Path) -> tuple[Path, str] | None:
-    """(run dir, directory name) when `path` is inside one of the directories (MANAGED) that a run
-    dir holding it manages: a later launch swaps final/, purges a checkpoint step, rebuilds
-    servable/, and what is written there goes with it. None elsewhere."""
+    """(run dir, entry name) when `path` is one of a run dir's own entries (runs.layout.RUN_ENTRIES),
+    present or not, or inside one: a later launch swaps final/ and best/, purges a checkpoint step,
+    rebuilds servable/ and servable-best/, moves them all to previous/, and what is written there
+    goes with them. None elsewhere."""
     path = Path(path).expanduser().resolve()
     for directory in (path, *path.parents):
-        if directory.name in MANAGED and any((directory.parent / name).exists() for name in RUN_MARKERS
-                                             if name != directory.name):
+        if directory.name in RUN_ENTRIES and any((directory.parent / name).exists() for name in RUN_MARKERS
+                                                if name != directory.name):
             return directory.parent, directory.name
-    return None
+    return None  # a writer's staging name (runs.layout.STAGING_PREFIXES) is its own: serve exports into one
 
 
 def _is_inside(path: Path, directory: Path) -> bool:
@@ -237,17 +229,13 @@ def _is_inside(path: Path, directory: Path) -> bool:
 # -- moving aside: all or nothing ---------------------------------------------------------------
 
 
-PREVIOUS_RUN_FILES = ("checkpoints", "final", "servable", METRICS_FILE, CONFIG_FILE, LOG_FILE, "wandb",
-                      ".failpoints", BEST, "servable-best", "tensorboard", "mlflow.json")
-
-
 def move_previous_run_aside(run_dir: str | Path, why: str) -> Path | None:
     """A fresh start in a run dir that holds an earlier run, or a resume there from another run's
     checkpoint, moves that run to `previous/<time>/`: nothing is deleted, and the earlier run's
     checkpoints, metrics and final weights can never be mistaken for this one's. All or nothing:
     where a move fails, what was moved goes back and a RunDirError names the path and the cause."""
     run_dir = Path(run_dir)
-    present = [name for name in PREVIOUS_RUN_FILES if (run_dir / name).exists()]
+    present = [name for name in EARLIER_RUN if (run_dir / name).exists()]
     if not any(name in present for name in ("checkpoints", "final", "metrics.jsonl")):
         return None
     target = _move_together(run_dir, [run_dir / name for name in present], f"it holds an earlier run and {why}")
@@ -272,7 +260,7 @@ def _move_together(run_dir: Path, paths: list[Path], why: str, copies: list[Path
     what it made, and raises a RunDirError saying what failed and where the data is: the earlier
     run whole where it was, or (where even that fails) each piece by name. Never half deleted:
     `fsutil.move` removes an original only once its copy is complete."""
-    previous = run_dir / "previous"
+    previous = run_dir / PREVIOUS
     try:
         target = _new_previous_dir(run_dir)
     except OSError as error:
@@ -333,9 +321,9 @@ def _move_back(run_dir: Path, target: Path, moved: list[Path], failed: Path | No
 def _new_previous_dir(run_dir: Path) -> Path:
     """A new, empty `previous/<time>/` in `run_dir`."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    target = run_dir / "previous" / stamp
+    target = run_dir / PREVIOUS / stamp
     suffix = 1
     while target.exists():
-        target, suffix = run_dir / "previous" / f"{stamp}-{suffix}", suffix + 1
+        target, suffix = run_dir / PREVIOUS / f"{stamp}-{suffix}", suffix + 1
     make_dirs(target)
     return target

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from ddptrain.distributed import barrier, first_failure, get_rank, get_world_size, is_rank_zero
 from ddptrain.fsutil import (UnsafeFileError, describe_write_error, fsync_file, load_torch, make_dirs, rename,
                              replace_dir, save_torch, sha256_file)
+from ddptrain.runs.layout import CHECKPOINTS
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class CheckpointError(RuntimeError):
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / CHECKPOINTS
 
 
 def step_name(step: int) -> str:

@@ -39,11 +39,10 @@ from ddptrain.models.adapters import (GENERATION_CONFIG, WEIGHTS_FILE, adapter_o
 from ddptrain.models.spec import ModelSpec
 from ddptrain.fsutil import replace_dir, sha256_file
 from ddptrain.runs import store as ckpt
+from ddptrain.runs.layout import BEST, FINAL
 
 log = logging.getLogger(__name__)
 
-FINAL = "final"
-BEST = "best"
 WHICH = (FINAL, BEST)
 """The weights a run directory names: final/ (else the newest checkpoint), or best/."""
 SPEC_FILE = "ddptrain_model.json"

@@ -23,7 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-SERVABLE = "servable"
+from ddptrain.runs.layout import BEST, FINAL, SERVABLE, SERVABLE_BEST
+
 MARKER = "ddptrain_servable.json"
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ def _from_run(run_dir: Path, which: str = "final") -> Path:
     from ddptrain.runs.store import CheckpointError
     from ddptrain.runs.weights import find_weights
 
-    out = run_dir / (SERVABLE if which == "final" else f"{SERVABLE}-{which}")
+    out = run_dir / {FINAL: SERVABLE, BEST: SERVABLE_BEST}[which]
     try:
         weights = find_weights(run_dir, which)  # verified and read once: the stamp and the export are of the same files
         stamp = _source_stamp(weights)

@@ -304,4 +304,5 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
         splits = {"train": data.train, "val": data.val}
         data.fingerprint["reference"] = precompute(reference, splits, data.fingerprint, cfg.batch.micro_size,
                                                    dist_info, cfg.data.cache_dir)
+        reference.drop_frozen_copy()  # every pair carries its log-probs now
     return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine, reference)

@@ -30,6 +30,8 @@ from typing import Callable, Iterator
 
 from torch import nn
 
+from ddptrain.runs.layout import FAILPOINTS
+
 ENV = "DDPTRAIN_FAILPOINT"
 KINDS = ("nan", "hang", "kill", "kill_in_checkpoint", "slow")
 SLOW_STEP_S = 0.1
@@ -41,7 +43,7 @@ class FaultInjector:
     def __init__(self, points: set[tuple[str, int]], rank: int = 0, run_dir: str | Path | None = None):
         self.points = points  # (kind, step) for this rank
         self.rank = rank
-        self.markers = Path(run_dir) / ".failpoints" if run_dir is not None else None
+        self.markers = Path(run_dir) / FAILPOINTS if run_dir is not None else None
         self.slow_from = min((step for kind, step in points if kind == "slow"), default=None)
 
     @classmethod

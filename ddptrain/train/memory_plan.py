@@ -16,6 +16,11 @@ the model is built from its config on the meta device (no weight file is opened)
   Where the meta run fails, a formula: per layer 34·B·T·d + 5·B·h·T² bytes at 2 bytes per value
   (Korthikanti et al. 2022, "Reducing Activation Recomputation", table 2), scaled to the precision,
   plus the logits (B·T·V, twice: the logits and their log-softmax).
+- objective=dpo: a microbatch of k pairs is 2k rows (chosen and rejected; packed, k rows of
+  2 x seq_len), measured as such; a full fine-tune keeps a frozen copy of the weights as the
+  reference, unsharded on every rank under every strategy (the `reference` column). None under
+  LoRA (the reference is the base with the adapter disabled) or with precomputed reference
+  log-probs (the copy is dropped once they are computed).
 - Weights, gradients, optimizer state, other buffers and the collectives of one optimizer step:
   computed from the counts by each registered strategy's `memory_per_rank`
   (ddptrain/strategies/footprint.py has the units and the ring factors); the plan asks every
@@ -36,6 +41,7 @@ from ddptrain.config.schema import TrainConfig
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
 from ddptrain.engine.chunked import HeadLoss, chunk_rows
 from ddptrain.models.gpt import GPT
+from ddptrain.models.lora import is_adapted
 from ddptrain.engine.objective import token_loss_sum
 from ddptrain.strategies import strategy_class
 from ddptrain.strategies.footprint import BYTES_PER_VALUE, MiB, Footprint, Layout, ParameterCounts
@@ -57,10 +63,13 @@ class StrategyPlan(Footprint):
     """A strategy's footprint (computed from the counts) with the microbatch's activations beside it."""
 
     activations: Figure = field(default_factory=lambda: Figure(0.0, "computed"))
+    reference: float = 0.0
+    """objective=dpo with full fine-tuning: the frozen reference copy of the weights, on every rank."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer_state + self.activations.bytes + self.other
+        return (self.weights + self.gradients + self.optimizer_state + self.activations.bytes + self.other
+                + self.reference)
 
     def wire(self, level: str | None = None) -> float:
         return sum(c.wire for c in self.collectives if level is None or c.level == level)
@@ -76,6 +85,10 @@ class ModelCounts(ParameterCounts):
     activations: Figure
     activation_note: str = ""
     """Why the activations are computed, where the meta run could not measure them."""
+    reference_bytes: float = 0.0
+    """objective=dpo, full fine-tuning: the frozen reference's weights, held whole by every rank."""
+    objective_note: str = ""
+    """What the objective adds to the plan (objective=dpo: rows per pair, the reference)."""
 
 
 # -- counting on the meta device -------------------------------------------------------------------
@@ -172,7 +185,8 @@ def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: i
 
 def plan_strategies(counts: ModelCounts, layout: Layout) -> list[StrategyPlan]:
     """Every registered strategy's plan (each one's `memory_per_rank`) for this model and layout."""
-    plans = [StrategyPlan(**{f.name: getattr(rank, f.name) for f in fields(rank)}, activations=counts.activations)
+    plans = [StrategyPlan(**{f.name: getattr(rank, f.name) for f in fields(rank)}, activations=counts.activations,
+                          reference=counts.reference_bytes)
              for name in STRATEGY_NAMES for rank in strategy_class(name).memory_per_rank(counts, layout)]
     for plan in plans:
         plan.collectives = [c for c in plan.collectives if c.ranks > 1]  # FSDP skips a one-rank call too
@@ -203,19 +217,21 @@ def format_plan(plans: list[StrategyPlan], counts: ModelCounts, layout: Layout, 
     """The plan as the table `python -m ddptrain.plan` prints; without `details` (the start-up
     summary), one wire line per strategy and no per-collective lines or notes."""
     chosen = pick(plans, device_memory, bandwidth, inter_bandwidth)
+    reference = counts.reference_bytes > 0  # objective=dpo, full fine-tuning: its own column
     lines = [f"memory plan: {counts.parameters:,} parameters ({counts.trainable:,} train), {layout.precision}, "
              f"{layout.optimizer}, world {layout.world_size} = {layout.nodes} node(s) x {layout.ranks_per_node}, "
              f"micro {layout.micro_batch_size} x seq {layout.seq_len} x accumulation {layout.grad_accum_steps}",
              "per rank; m = measured on the meta device, c = computed from the counts"
              + (f"; device memory {device_memory / GiB:.1f} GiB" if device_memory else ""),
              f"{'strategy':12} {'weights':>10} {'grads':>10} {'optimizer':>10} {'activations':>12} {'other':>10} "
-             f"{'total':>10} {'fits':>5}"]
+             + (f"{'reference':>10} " if reference else "") + f"{'total':>10} {'fits':>5}"]
     for p in plans:
         fits = "-" if device_memory is None else ("yes" if p.total <= device_memory else "no")
         cells = [f"{_size(value)} c" for value in (p.weights, p.gradients, p.optimizer_state, p.other)]
         lines.append(f"{p.label:12} {cells[0]:>10} {cells[1]:>10} {cells[2]:>10} "
                      f"{_size(p.activations.bytes) + ' ' + p.activations.how[0]:>12} "
-                     f"{cells[3]:>10} {_size(p.total):>10} {fits:>5}")
+                     f"{cells[3]:>10} " + (f"{_size(p.reference) + ' c':>10} " if reference else "")
+                     + f"{_size(p.total):>10} {fits:>5}")
     lines.append("communication per optimizer step, per rank (payload = full tensor per call; wire = payload x "
                  "calls x ring factor: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n)")
     for p in plans:
@@ -229,6 +245,8 @@ def format_plan(plans: list[StrategyPlan], counts: ModelCounts, layout: Layout, 
         lines.extend(f"  note: {note}" for note in p.notes)
     if counts.activation_note:
         lines.append(f"  note: {counts.activation_note}")
+    if counts.objective_note:
+        lines.append(f"  note: {counts.objective_note}")
     if device_memory is not None or bandwidth:
         lines.append(f"pick: {chosen.label}" if chosen else "pick: none fits; try activation checkpointing, "
                      "a smaller batch.micro_size, or more ranks")
@@ -282,7 +300,12 @@ def plan_for_config(cfg: TrainConfig, world_size: int,
     # A budget microbatch holds at most micro_tokens padded positions in rows of at most seq_len: planned
     # as whole rows of seq_len that hold them all (rounded up: 48 tokens of rows of 32 may be 3 rows of
     # 16, and the linear layers' activations follow positions; a row's attention is at most seq_len^2).
-    micro_rows = batch.micro_size if batch.micro_tokens is None else -(-batch.micro_tokens // batch.seq_len)
+    # objective=dpo: micro_size counts pairs, two rows each (packed: one row of 2 x seq_len per pair's
+    # worth); a budget already counts both sequences' positions.
+    pairs = cfg.objective.name == "dpo"
+    rows_per_example = 2 if pairs else 1
+    micro_rows = (rows_per_example * batch.micro_size if batch.micro_tokens is None
+                  else -(-batch.micro_tokens // batch.seq_len))
     options = strategy_options(cfg.strategy)
     ranks_per_node = ranks_per_node or min(world_size, 8)
     replicate = options.get("replicate", "auto")  # fsdp's; the HSDP row of other strategies: one replica per node
@@ -298,4 +321,22 @@ def plan_for_config(cfg: TrainConfig, world_size: int,
                          vocab_size, checkpointed=bool(cfg.trainer.activation_checkpointing),
                          head_chunk_tokens=(cfg.trainer.head_chunk_tokens or chunk_rows(vocab_size))
                          if cfg.trainer.chunked_head else None)
+    if pairs:
+        plan_reference(counts, layout, is_adapted(model), cfg.objective.precompute_reference, batch.micro_size,
+                       batch.micro_tokens)
     return plan_strategies(counts, layout), counts, layout
+
+
+def plan_reference(counts: ModelCounts, layout: Layout, adapted: bool, precomputed: bool, micro_pairs: int,
+                   micro_tokens: int | None) -> None:
+    """objective=dpo's part of the plan: the frozen reference copy a full fine-tune holds (whole, on
+    every rank: no strategy shards it), and the note that says what was counted."""
+    held = not adapted and not precomputed
+    counts.reference_bytes = counts.parameters * layout.bytes_per_value if held else 0.0
+    rows = (f"{layout.micro_batch_size} rows of seq_len hold micro_tokens={micro_tokens} positions of pairs"
+            if micro_tokens is not None else
+            f"{micro_pairs} pair(s) per microbatch are {layout.micro_batch_size} rows (chosen and rejected)")
+    reference = ("the reference is the frozen copy of the weights, held whole by every rank (the reference column)"
+                 if held else "the reference's log-probs are precomputed (no copy of the weights is kept)"
+                 if precomputed else "the reference is the base with the LoRA adapter disabled (no copy)")
+    counts.objective_note = f"objective=dpo: {rows}; {reference}"

@@ -12,7 +12,13 @@ PairTargets; this fills them in, without gradients, for every microbatch of the 
 With objective.precompute_reference=true they are computed once before step 1 instead, for every
 pair of both splits (spread over the ranks, summed), and kept in the data cache under a key of the
 data's and the reference weights' fingerprints; the key joins the run's input fingerprint, so a
-resume over another model is refused.
+resume over another model is refused. An entry is verified on every load, as the data cache's are:
+its checksum (`<entry>.sha256` beside it), its length (two per pair) and finite values; a damaged one
+is recomputed, with a warning naming it, never trained against.
+
+A full fine-tune's frozen copy is fingerprinted into the run's input fingerprint too
+(`Reference.weights`, as `reference.weights`): it is rebuilt from model.path (or the seed) at every
+launch, and a resume over other weights is refused by name (ddptrain/runs/fingerprint.py).
 
 The log-probs are those of the engine's forward (its precision and autocast; with its chunked head,
 the head on the valid targets only), in float64.
@@ -36,9 +42,9 @@ from torch import nn
 
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
 from ddptrain.contract.pairs import PairTargets
-from ddptrain.data.cache import default_cache_dir
+from ddptrain.data.cache import array_digest, default_cache_dir
 from ddptrain.data.preference import PreferencePairs
-from ddptrain.distributed import DistInfo, all_reduce_sum, barrier
+from ddptrain.distributed import DistInfo, all_reduce_sum, any_rank, barrier
 from ddptrain.engine.engine import AUTOCAST, Engine, filler_inputs
 from ddptrain.engine.preference import PairHeadLoss, sequence_logps
 from ddptrain.models.lora import is_adapted
@@ -70,10 +76,31 @@ class Reference:
             self.model = self.model.to(dtype=torch.float64)
         self.disables_adapter = frozen is None
         self.uses_head_loss = engine.chunked_head and takes_head_loss(self.model)
+        self._weights: str | None = None
+
+    @property
+    def weights(self) -> str | None:
+        """sha256 of the frozen copy's weights (`weights_fingerprint`), computed once; None under LoRA,
+        whose reference is the base that ModelSpec.base_weights fingerprints."""
+        if self.disables_adapter:
+            return None
+        if self._weights is None:
+            self._weights = weights_fingerprint(self.model)
+        return self._weights
+
+    def drop_frozen_copy(self) -> None:
+        """Free a full fine-tune's frozen copy once every pair's log-probs are precomputed: nothing
+        calls it again (`fill` skips pairs that carry theirs), and the memory plan counts none."""
+        if not self.disables_adapter:
+            self.weights  # noqa: B018 - fingerprinted before the weights go: the run's input fingerprint reads it
+            self.model = None
 
     @torch.no_grad()
     def logps(self, inputs, pairs: PairTargets) -> torch.Tensor:
         """(S,) float64: each sequence's summed target log-probs under the reference."""
+        if self.model is None:
+            raise RuntimeError("the reference's log-probs were precomputed and its frozen copy dropped, but a "
+                               "microbatch carries none")
         precision, device = self.engine.precision, self.engine.device
         autocast = (torch.autocast(device.type, dtype=AUTOCAST[precision]) if precision in AUTOCAST
                     else contextlib.nullcontext())
@@ -92,11 +119,13 @@ class Reference:
         filler forwards up to `max_microbatches`, so that every rank joins every collective."""
         filled = []
         device = self.engine.device
+        computed = False  # precomputed log-probs (on every rank alike): no forward, so no filler either
         for inputs, pairs in microbatches:
             if pairs.reference is None:
                 pairs = pairs.with_reference(self.logps(_on(device, inputs), pairs.to(device)))
+                computed = True
             filled.append((inputs, pairs))
-        if self.engine.strategy.communicates_every_microbatch and max_microbatches and filled:
+        if self.engine.strategy.communicates_every_microbatch and max_microbatches and filled and computed:
             inputs, pairs = filled[0]
             for _ in range(max_microbatches - len(filled)):
                 self.logps(_on(device, filler_inputs(inputs)), PairTargets.empty(pairs.to(device)))
@@ -122,15 +151,19 @@ def precompute(reference: Reference, splits: dict[str, PreferencePairs], data_in
                dist_info: DistInfo, cache_dir: str | None) -> str:
     """Set each split's `reference` log-probs, from the cache or computed once (pairs spread over the ranks,
     the rest of the vector zeros, summed); returns the cache key. Collective."""
-    key = hashlib.sha256(json.dumps({"data": data_inputs, "weights": weights_fingerprint(reference.model),
+    weights = reference.weights or weights_fingerprint(reference.model)
+    key = hashlib.sha256(json.dumps({"data": data_inputs, "weights": weights,
                                      "precision": reference.engine.precision,
                                      "splits": {name: len(pairs) for name, pairs in splits.items()}},
                                     sort_keys=True, default=str).encode()).hexdigest()[:24]
     directory = (Path(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()) / "reference"
     for name, pairs in splits.items():
         path = directory / f"{key}.{name}.npy"
-        if path.is_file():
-            pairs.reference = np.load(path)
+        values, damage = load_cached(path, 2 * len(pairs))
+        if damage is not None and dist_info.local_rank == 0:  # once per node: its ranks read the same file
+            log.warning("reference: cache entry %s is damaged (%s): recomputed", path, damage)
+        if not any_rank(values is None, reference.engine.device):  # every rank reuses it, or every rank computes
+            pairs.reference = values
             log.info("reference: log-probs of %d %s pairs reused from %s", len(pairs), name, path)
             continue
         values = torch.zeros(2 * len(pairs), dtype=torch.float64, device=reference.engine.device)
@@ -146,9 +179,52 @@ def precompute(reference: Reference, splits: dict[str, PreferencePairs], data_in
         all_reduce_sum(values)
         pairs.reference = values.cpu().numpy()
         if dist_info.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            np.save(directory / f"{key}.{name}.tmp.npy", pairs.reference)
-            os.replace(directory / f"{key}.{name}.tmp.npy", path)
+            save_cached(path, pairs.reference)
         log.info("reference: log-probs of %d %s pairs computed before step 1 into %s", len(pairs), name, path)
     barrier()
     return key
+
+
+def _checksum_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def save_cached(path: Path, values: np.ndarray) -> None:
+    """`values` into `path` (.npy) and its checksum beside it (`<path>.sha256`: data.cache.array_digest),
+    each written aside and renamed into place; an entry whose two files disagree is recomputed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
+    np.save(tmp, values)
+    checksum = _checksum_file(tmp)
+    checksum.write_text(array_digest(tmp) + "\n")
+    os.replace(tmp, path)
+    os.replace(checksum, _checksum_file(path))
+
+
+def load_cached(path: Path, length: int) -> tuple[np.ndarray | None, str | None]:
+    """(the log-probs, None) when `path` holds `length` finite float64 values that match the checksum
+    saved beside them; (None, what is wrong) when it does not; (None, None) when there is no entry.
+    Never trusted blindly: flipped bits, a truncated or replaced file would be trained against."""
+    if not path.is_file():
+        return None, None
+    checksum = _checksum_file(path)
+    try:
+        expected = checksum.read_text().strip()
+    except OSError:
+        return None, f"no readable checksum {checksum.name} beside it"
+    found = array_digest(path)
+    if found != expected:
+        size, expected_size = found.split(":")[0], expected.split(":")[0]
+        return None, (f"{size} bytes where {expected_size} were written" if size != expected_size else
+                      f"it does not match its checksum {checksum.name}")
+    try:
+        values = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
+        return None, f"not a .npy array: {error}"
+    if values.dtype != np.float64 or values.shape != (length,):
+        return None, (f"{values.dtype} values of shape {values.shape}, where the split's pairs need ({length},) "
+                      "float64 (two sequences per pair)")
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        return None, f"{len(bad)} value(s) not finite, the first at sequence {bad[0]}"
+    return values, None

@@ -30,12 +30,11 @@ from omegaconf import OmegaConf
 
 from ddptrain.config.schema import TrainConfig
 from ddptrain.distributed import is_rank_zero
+from ddptrain.runs.layout import FINAL, MLFLOW_RUN_FILE, TENSORBOARD
 from ddptrain.train.components import StepEnd
 
 log = logging.getLogger(__name__)
 
-MLFLOW_RUN_FILE = "mlflow.json"
-TENSORBOARD_DIR = "tensorboard"
 MLFLOW_PROBE_TIMEOUT_S = 3.0
 """How long start-up waits for an http(s) tracking server to accept a connection before MLflow is off."""
 
@@ -100,7 +99,7 @@ class TensorBoardTracker(_Tracker):
     def __init__(self, run_dir: str | Path, config: dict, resume_step: int | None):
         super().__init__()
         self.writer = None
-        self._guarded("starting", self._start, Path(run_dir) / TENSORBOARD_DIR, config, resume_step)
+        self._guarded("starting", self._start, Path(run_dir) / TENSORBOARD, config, resume_step)
 
     def _start(self, directory: Path, config: dict, resume_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # lazy: needs the tensorboard package
@@ -179,7 +178,7 @@ class MLflowTracker(_Tracker):
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def on_fit_end(self, step: int) -> None:
-        final = self.run_dir / "final"
+        final = self.run_dir / FINAL
         if self.log_final and final.is_dir():
             self._guarded("logging final/ as an artifact", self.client.log_artifacts, self.run_id, str(final), "final")
 

@@ -174,7 +174,9 @@ class Trainer:
         corpus accepted with checkpoint.accept_changed_data). Its cost is logged."""
         started = time.perf_counter()
         model_cfg = OmegaConf.to_container(self.cfg.model, resolve=True)
-        self.fingerprint = run_fingerprint(self.built.adapter.architecture(model_cfg), self.built.data.fingerprint)
+        reference = self.built.reference.weights if self.built.reference is not None else None
+        self.fingerprint = run_fingerprint(self.built.adapter.architecture(model_cfg), self.built.data.fingerprint,
+                                           reference)
         if saved:
             check_fingerprint(saved.get("fingerprint"), self.fingerprint, self.cfg.checkpoint.accept_changed_data)
         log.info("inputs fingerprinted%s in %.2f ms (%.3f%% of start-up so far)", " and compared" if saved else "",

@@ -18,6 +18,7 @@ import ddptrain
 from ddptrain.export import ExportError, export, main
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.models.convert import gpt_to_hf
+from ddptrain.runs.layout import RUN_ENTRIES
 from tests.helpers import REPO, TINY_RUN, import_optional, run_cli, save_bpe_tokenizer
 
 transformers = import_optional("transformers")
@@ -321,7 +322,8 @@ def test_serving_and_exporting_a_checkpoint_read_its_trainer_state_once(tmp_path
 
 
 @pytest.mark.parametrize("inside", ["final/x", "checkpoints/step_00000002/x", "checkpoints/new", "servable/x",
-                                    "previous/x", "final"])
+                                    "previous/x", "final", "best", "servable-best", "tensorboard/x", "wandb",
+                                    "mlflow.json", ".failpoints", "previous/20260101-000000/best"])
 def test_an_export_into_a_directory_the_run_manages_is_refused_and_writes_nothing(tmp_path, capsys, inside):
     run = tmp_path / "run"
     for name in ("final", "checkpoints/step_00000002", "servable", "previous"):
@@ -332,5 +334,27 @@ def test_an_export_into_a_directory_the_run_manages_is_refused_and_writes_nothin
         main([str(run), str(run / inside)])  # the next launch would swap final/, purge the step, or rebuild servable/
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
-    assert f"{run / inside}" in error and "inside" in error and "which the run manages" in error, error
+    [entry] = [name for name in RUN_ENTRIES if f"{run / name}, which the run manages ({RUN_ENTRIES[name]})" in error]
+    assert f"{run / inside}" in error and inside.startswith(entry), error
+    assert len(error.strip().splitlines()) == 1, error
     assert sorted(str(path) for path in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_an_export_into_a_run_dirs_best_or_servable_best_is_refused_on_the_command_line(tmp_path):
+    """The next `serve --which best` or resume with checkpoint.keep_best would delete such an export:
+    refused whether the entry is there yet or not, with one line naming it and the rule."""
+    run_dir = tmp_path / "run"
+    result = run_cli([*TINY_RUN, "trainer.max_steps=1", "batch.global_size=4", "batch.micro_size=4",
+                      "batch.seq_len=64", f"run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (run_dir / "best").exists()
+    for target in ("servable-best", "best", "tensorboard", "previous/x"):
+        refused = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(run_dir / target)],
+                                 cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2, (target, refused.stderr[-3000:])
+        assert refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr
+        assert refused.stderr.startswith(f"export error: output directory {run_dir / target} is")
+        assert "which the run manages" in refused.stderr and "pick a path outside" in refused.stderr
+        assert not (run_dir / target).exists() and not (run_dir / "previous").exists(), target

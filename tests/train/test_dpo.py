@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 from ddptrain.config.compose import compose_config
 from ddptrain.config.schema import ConfigError
 from ddptrain.config.validation import validate
+from ddptrain.data.cache import array_digest
 from tests.data.chats import write_jsonl
 from tests.data.pairs import random_pairs
 from tests.data.test_sft import _llama_with_chat_tokenizer
@@ -191,3 +193,98 @@ def test_dpo_gives_the_same_losses_and_rewards_on_fsdp_and_zero2_as_ddp(tmp_path
                 if not (key == "reward_accuracy" and mine["step"] == 1):
                     assert math.isclose(mine[key], ref[key], rel_tol=tolerance, abs_tol=absolute), \
                         (other, mine["step"], key, mine[key], ref[key])
+
+
+def _tree(directory) -> dict[str, bytes]:
+    """Every file under `directory` (relative name -> bytes): what a refused launch must leave as it was."""
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
+            if path.is_file() and path.name != "train.log"}
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_does_not_resume_against_other_weights_at_model_path(tmp_path):
+    """The frozen reference is rebuilt from model.path at every launch: other weights there are refused
+    by name, leaving the run as it was; the original weights put back, the run resumes exactly."""
+    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", random_pairs(24, seed=15, conversational=True))
+    base = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]",
+            f"data.cache_dir={tmp_path / 'cache'}", "batch.micro_size=4"]
+    straight = run_cli([*base, f"run.dir={tmp_path / 'straight'}"])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    first = run_cli([*base, "trainer.max_steps=2", f"run.dir={run_dir}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    weights = model_dir / "model.safetensors"
+    original = weights.read_bytes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5)  # a re-download of another revision, an overwrite
+    model.save_pretrained(model_dir)
+    assert weights.read_bytes() != original
+    before = _tree(run_dir)
+    refused = run_cli([*base, f"run.dir={run_dir}"])
+    assert refused.returncode != 0, refused.stderr[-3000:]
+    assert "the run's inputs differ from the checkpoint's: reference.weights: " in refused.stderr, refused.stderr[-3000:]
+    assert "put the weights the run started from back at model.path" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert _tree(run_dir) == before, "a refused resume leaves the run's checkpoints, final/, metrics and config"
+    weights.write_bytes(original)
+    resumed = run_cli([*base, f"run.dir={run_dir}"])
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert read_metrics(run_dir) == read_metrics(tmp_path / "straight") or all(
+        math.isclose(mine[key], ref[key], rel_tol=1e-12, abs_tol=1e-15)
+        for mine, ref in zip(read_metrics(run_dir), read_metrics(tmp_path / "straight"), strict=True)
+        for key in METRICS)
+
+
+def _flip_bytes(path):
+    data = bytearray(path.read_bytes())
+    for offset in (len(data) - 8, len(data) - 3):  # inside the last value: a log-prob off by orders of magnitude
+        data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _saved_with_its_checksum(values):
+    """A well-formed entry of other values, its checksum rewritten to match: the length and finiteness checks."""
+    def damage(path):
+        np.save(path, values(np.load(path)))
+        path.with_name(path.name + ".sha256").write_text(array_digest(path) + "\n")
+    return damage
+
+
+@pytest.mark.slow
+def test_a_damaged_reference_cache_entry_is_recomputed_with_a_warning_never_trained_against(tmp_path):
+    """Flipped bits, a truncated file, a file that is no array, a missing checksum, too few values, a
+    NaN: each is named in a warning and recomputed, and the run's step-1 loss is the clean run's."""
+    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", random_pairs(16, seed=17, conversational=True))
+    val = write_jsonl(tmp_path / "val.jsonl", random_pairs(4, seed=18, conversational=True))
+    cache = tmp_path / "cache"
+    base = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
+            f"data.cache_dir={cache}", "batch.micro_size=4", "trainer.max_steps=1",
+            "objective.precompute_reference=true"]
+    clean = run_cli([*base, f"run.dir={tmp_path / 'clean'}"])
+    assert clean.returncode == 0 and "computed before step 1" in clean.stderr, clean.stderr[-3000:]
+    [train_entry] = (cache / "reference").glob("*.train.npy")
+    [val_entry] = (cache / "reference").glob("*.val.npy")
+    entries = {"train": train_entry, "val": val_entry}
+    written = {split: path.read_bytes() for split, path in entries.items()}
+    damages = [
+        {"train": _flip_bytes, "val": lambda path: path.write_bytes(path.read_bytes()[:100])},
+        {"train": lambda path: path.write_text("not an array\n"),
+         "val": lambda path: path.with_name(path.name + ".sha256").unlink()},
+        {"train": _saved_with_its_checksum(lambda values: values[:-2]),
+         "val": _saved_with_its_checksum(lambda values: np.where(np.arange(len(values)) == 3, np.nan, values))},
+    ]
+    for launch, damage in enumerate(damages):
+        for split, path in entries.items():
+            damage[split](path)
+        result = run_cli([*base, f"run.dir={tmp_path / f'damaged{launch}'}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        for split, path in entries.items():
+            assert f"reference: cache entry {path} is damaged (" in result.stderr, (launch, split, result.stderr[-3000:])
+            assert path.read_bytes() == written[split], "recomputed, the same values, verified by the next launch"
+        assert "reused from" not in result.stderr
+        for mine, ref in zip(read_metrics(tmp_path / f"damaged{launch}"), read_metrics(tmp_path / "clean"), strict=True):
+            assert mine["loss"] == ref["loss"] and mine["val_loss"] == ref["val_loss"], (launch, mine, ref)

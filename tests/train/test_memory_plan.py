@@ -203,3 +203,53 @@ def test_a_token_budget_is_planned_as_rows_that_hold_every_microbatch_it_makes(m
     assert layout.micro_batch_size * layout.seq_len >= largest, (layout.micro_batch_size, largest)
     assert layout.micro_batch_size * layout.seq_len < micro_tokens + seq_len  # not more rows than that takes
     assert counts.activations.bytes > 0
+
+
+def _plan(overrides: list[str]):
+    from ddptrain.config import compose_config
+    from ddptrain.config.validation import validate
+    from ddptrain.train.memory_plan import format_plan, plan_for_config
+
+    cfg = compose_config(overrides)
+    validate(cfg, 2)
+    plans, counts, layout = plan_for_config(cfg, 2)
+    return {plan.label: plan for plan in plans}, counts, layout, format_plan(plans, counts, layout, None)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_a_dpo_plan_counts_two_rows_per_pair_and_the_frozen_reference_of_a_full_fine_tune(tmp_path, packed):
+    """A microbatch of k pairs is planned as the 2k rows a token objective's microbatch of 2k rows
+    is; a full fine-tune adds the frozen reference's weights, whole, to every strategy's total; with
+    precomputed log-probs, or LoRA's adapter disabled, nothing is added."""
+    model = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.vocab_size=256", "batch.seq_len=32",
+             *(["batch.pack=true"] if packed else [])]
+    dpo = ["objective=dpo", "data=preference", "data.paths=[p.jsonl]", "batch.global_size=8"]
+    k = 2  # 8 pairs a step, 2 a microbatch: 16 rows a step, 4 a microbatch
+    token_2k, token_counts, _, _ = _plan([*model, "batch.global_size=16", f"batch.micro_size={2 * k}"])
+    token_k, _, _, _ = _plan([*model, "batch.global_size=16", f"batch.micro_size={k}"])
+    plans, counts, layout, table = _plan([*model, *dpo, f"batch.micro_size={k}"])
+    assert layout.micro_batch_size == 2 * k
+    assert counts.parameters == token_counts.parameters
+    assert counts.reference_bytes == counts.parameters * 4  # fp32 weights, not sharded by any strategy
+    for label, plan in plans.items():
+        assert plan.activations.bytes == token_2k[label].activations.bytes > token_k[label].activations.bytes
+        assert plan.reference == counts.reference_bytes
+        assert plan.total == pytest.approx(token_2k[label].total + counts.reference_bytes), label
+    assert " reference " in table.splitlines()[2] and "2 pair(s) per microbatch are 4 rows" in table, table
+    assert "frozen copy of the weights, held whole by every rank" in table
+
+    precomputed, counts, _, table = _plan([*model, *dpo, f"batch.micro_size={k}", "objective.precompute_reference=true"])
+    assert counts.reference_bytes == 0 and all(plan.reference == 0 for plan in precomputed.values())
+    assert " reference " not in table.splitlines()[2] and "log-probs are precomputed" in table
+    assert all(plan.activations.bytes == token_2k[label].activations.bytes for label, plan in precomputed.items())
+
+
+@pytest.mark.slow  # peft and a transformers model
+def test_a_lora_dpo_plan_holds_no_reference_copy(tmp_path):
+    import_optional("peft")
+    model_dir = save_pretrained_llama(tmp_path / "llama")
+    _, counts, layout, table = _plan(["model=hf", f"model.path={model_dir}", "model.lora.r=4", "objective=dpo",
+                                      "data=preference", "data.paths=[p.jsonl]", "batch.seq_len=32",
+                                      "batch.global_size=8", "batch.micro_size=2"])
+    assert layout.micro_batch_size == 4 and counts.reference_bytes == 0
+    assert "base with the LoRA adapter disabled" in table and " reference " not in table.splitlines()[2]
