@@ -23,7 +23,8 @@ from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cach
                                  file_stamp, open_tokens, relative_stamps)
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import DataSplits, TokenExamples, assign_splits
-from ddptrain.data.shards import (BuildTeam, Segment, Unit, _segment_bytes, merge_pieces, plan_shards, save_piece,
+from ddptrain.data.index import IndexHome
+from ddptrain.data.shards import (BuildTeam, Segment, Unit, segment_bytes, merge_pieces, plan_shards, save_piece,
                                   sharded_build)
 from ddptrain.data.sources import (DataError, SplitNames, TextDecoder, expand_paths, hf_documents, is_blank,
                                    is_validation, jsonl_documents, text_documents, token_documents, token_file,
@@ -76,25 +77,33 @@ def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = Non
         if data_cfg.name == "tokens":
             meta = _build_token_files(tmp, data_cfg, train_files, val_files, index)
         elif is_whole:
-            meta = whole.build(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf", seq_len)
+            meta = whole.build(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf", seq_len,
+                               _whole_files(data_cfg, train_files, val_files))
         else:
             meta = _build_documents(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf")
         return {"fingerprint": fingerprint, **meta}
 
     def build_piece(out: Path, segments: list[Segment], check) -> dict:
-        docs, is_val, stats = _tokenize_documents(out, data_cfg, tokenizer, segments, SplitNames(train_files),
-                                                  bool(val_files), cache_dir / "hf", check)
+        names, hf_cache = SplitNames(train_files), cache_dir / "hf"
+        if is_whole:
+            docs, is_val, stats = whole.tokenize(out, data_cfg, tokenizer, segments, names, bool(val_files), hf_cache,
+                                                 seq_len, check)
+        else:
+            docs, is_val, stats = _tokenize_documents(out, data_cfg, tokenizer, segments, names, bool(val_files),
+                                                      hf_cache, check)
         save_piece(out, docs, is_val, stats)
         return stats
 
     def merge(tmp: Path, pieces: list[Path]) -> dict:
+        if is_whole:
+            return {"fingerprint": fingerprint, **whole.merge(tmp, pieces, bool(val_files), seq_len)}
         merged = merge_pieces(tmp, pieces, ("tokens.npy",), (0,))
         meta = _finish_documents(tmp, merged["docs"], merged["is_val"], merged["counts"], merged["tokens"],
                                  bool(val_files))
         return {"fingerprint": fingerprint, **meta}
 
     started = time.perf_counter()
-    if team.size > 1 and data_cfg.name in ("text", "jsonl", "hf") and data_cfg.max_docs is None:
+    if team.size > 1 and data_cfg.name != "tokens" and data_cfg.max_docs is None:
         # Every rank of the team tokenizes its shard (data.max_docs counts documents in order: one process).
         shards = plan_shards(_units(data_cfg, train_files, val_files), team.size)
         entry, meta, built = sharded_build(cache_dir, key, team, shards, build_piece, merge)
@@ -107,8 +116,10 @@ def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = Non
         if is_whole:
             splits[split] = whole.examples_of(entry, split, open_tokens(entry, meta[split]), meta)
             continue
-        docs = np.load(entry / f"{split}.docs.npy")
-        splits[split] = TokenExamples.from_token_array(open_tokens(entry, meta[split]), docs[:, 0], docs[:, 1], seq_len)
+        docs = np.load(entry / f"{split}.docs.npy", mmap_mode="r")
+        home = IndexHome(entry, split, seq_len, team.index == 0, team.launch)
+        splits[split] = TokenExamples.from_token_array(open_tokens(entry, meta[split]), docs[:, 0], docs[:, 1], seq_len,
+                                                       home)
     log.info("data: %s cache entry %s in %.2fs (%s, %d train + %d validation documents, vocabulary %d)",
              "built" if built else "reused", entry, time.perf_counter() - started, data_cfg.name,
              splits["train"].documents, splits["val"].documents, vocab_size)
@@ -145,9 +156,14 @@ def _units(data_cfg: Any, train_files: list[Path], val_files: list[Path]) -> lis
     def size(path: Path) -> int:
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
+    def whole(files: list[Path]) -> bool:  # a dataset read as one: data=hf, or records not all in JSONL files
+        if data_cfg.name in ("sft", "preference"):
+            return not all(p.is_file() and p.suffix.lower() == ".jsonl" for p in files)
+        return data_cfg.name == "hf"
+
     units = []
     for files, validation in ((train_files, False), (val_files, True)):
-        if data_cfg.name == "hf" and files:
+        if files and whole(files):
             units.append(Unit(tuple(str(p) for p in files), validation, sum(size(p) for p in files), False))
         else:
             units += [Unit((str(p),), validation, size(p), data_cfg.name != "text") for p in files]
@@ -169,7 +185,7 @@ def _tokenize_documents(out: Path, data_cfg: Any, tokenizer, segments: list[Segm
     docs, is_val = [], []
     stats = {"short_documents": 0, "short_example": None, "last_name": None}
     decoder = TextDecoder(data_cfg.on_decode_error)  # one count for JSONL lines and tokenizer input alike
-    progress = BuildProgress(_segment_bytes(segments), "B", f"preprocessing {data_cfg.name} with tokenizer "
+    progress = BuildProgress(segment_bytes(segments), "B", f"preprocessing {data_cfg.name} with tokenizer "
                              f"{tokenizer.name}", check=check)
     try:
         batch: list[tuple[str, Any, bool]] = []

@@ -266,7 +266,7 @@ def _ensure_piece(pieces: Path, shard: int, segments: list[Segment], build_piece
             raise DataError(f"shard {shard} ({describe(segments)}): {error}") from error
         sizes = {name: array_digest(tmp / name) for name in sorted(os.listdir(tmp))}
         done = {"segments": [asdict(s) for s in segments], "checksums": sizes, "counts": counts,
-                "bytes": _segment_bytes(segments), "tokens": len(np.load(tmp / "tokens.npy", mmap_mode="r")),
+                "bytes": segment_bytes(segments), "tokens": len(np.load(tmp / "tokens.npy", mmap_mode="r")),
                 "seconds": round(time.perf_counter() - started, 3), "rank": team.index}
         (tmp / _DONE).write_text(json.dumps(done, indent=1))
         try:
@@ -280,7 +280,7 @@ def _ensure_piece(pieces: Path, shard: int, segments: list[Segment], build_piece
         raise
 
 
-def _segment_bytes(segments: list[Segment]) -> int:
+def segment_bytes(segments: list[Segment]) -> int:
     total = 0
     for segment in segments:
         if segment.end is not None:

@@ -52,9 +52,9 @@ def _config(paths: list[Path], cache: Path, **settings) -> DataConfig:
 
 def _entry_digests(cache: Path) -> dict[str, str]:
     """sha256 of every file of the one entry in `cache`."""
-    entries = [p for p in cache.iterdir() if p.is_dir() and "." not in p.name]
+    entries = [p for p in cache.iterdir() if p.is_dir() and "." not in p.name and p.name != "hf"]
     assert len(entries) == 1, sorted(p.name for p in cache.iterdir())
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(entries[0].iterdir())}
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(entries[0].iterdir()) if f.is_file()}
 
 
 def _build(cfg: DataConfig) -> dict:
@@ -173,3 +173,42 @@ def test_text_files_and_node_local_teams_share_the_build(tmp_path):
 
 def _build_node_local(cfg: DataConfig) -> int:
     return load_splits(cfg, SEQ_LEN).train.documents
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sft", "preference"])
+def test_sharded_conversations_and_pairs_are_byte_identical_to_one_process(tmp_path, name):
+    """data=sft and data=preference: whole examples with a target mask (mask.npy beside the tokens), skips
+    counted per kind with their first example, pairs' two start columns moved by the merge."""
+    from tests.data.chats import random_chats, save_chat_tokenizer, write_jsonl
+    from tests.data.pairs import random_pairs
+
+    tokenizer = save_chat_tokenizer(tmp_path / "tok")
+    records = random_chats(160) if name == "sft" else random_pairs(160)
+    paths = [Path(write_jsonl(tmp_path / f"r{k}.jsonl", part)) for k, part in
+             enumerate((records[:100], records[100:110], records[110:]))]
+    cfg = DataConfig(name=name, paths=[str(p) for p in paths], tokenizer=str(Path(tokenizer) / "tokenizer.json"),
+                     cache_dir=str(tmp_path / "one"), val_percent=10.0, truncation="drop")
+    load_splits(cfg, 40, local_rank=0)
+    meta = json.loads((next((tmp_path / "one").iterdir()) / "meta.json").read_text())
+    assert meta["skips"]["too_long"], "some records are dropped: the merged counts are exercised"
+    cfg.cache_dir = str(tmp_path / "two")
+    run_distributed(_build_at, 2, cfg, 40)
+    assert _entry_digests(tmp_path / "two") == _entry_digests(tmp_path / "one")
+
+
+def _build_at(cfg: DataConfig, seq_len: int) -> int:
+    return len(load_splits(cfg, seq_len, collective=True).train)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_dataset_goes_whole_to_one_shard(tmp_path):
+    """data=hf numbers the rows of all its files together: the dataset is one unit, built by the rank
+    whose shard holds its middle byte; the other rank's piece is empty, and the entry the same."""
+    import_optional("datasets")
+    paths = _corpus(tmp_path / "c")[:2]
+    cfg = _config(paths, tmp_path / "one", name="hf")
+    load_splits(cfg, SEQ_LEN, local_rank=0)
+    cfg.cache_dir = str(tmp_path / "two")
+    run_distributed(_build, 2, cfg)
+    assert _entry_digests(tmp_path / "two") == _entry_digests(tmp_path / "one")
