@@ -10,8 +10,10 @@ libraries that tokenize (`tokenizers`; transformers too for data=sft) and every 
 the arrays. meta.json also holds each array file's size and sha256 (sampled blocks
 beyond FULL_HASH_BYTES), verified on every load: a damaged entry is rebuilt, with a warning.
 
-One process per node builds (local rank 0) while the others poll for the finished entry, not
-in a barrier: a long build would outlast the process group's timeout. The build writes into a
+The ranks that share the cache directory build an entry together (ddptrain/data/shards.py: each
+tokenizes its shard, one merges), or one of them builds it (`build_or_wait`) while the others
+poll for the finished entry, not in a barrier: a long build would outlast the process group's
+timeout. The build writes into a
 temporary directory and renames it into place, so a reader never sees half an entry and two
 nodes building the same entry on a shared filesystem cannot corrupt it. A failed build leaves a
 marker with its message, so the waiting ranks fail with the same message instead of waiting.
@@ -174,7 +176,7 @@ def _wait_for(entry: Path, failed: Path, poll_s: float, damaged: bool = False) -
             raise DataError(f"preprocessing failed on the building rank: {failed.read_text()}")
         if time.monotonic() - last_note > 60:
             last_note = time.monotonic()
-            log.info("waiting for local rank 0 to preprocess the data into %s (%.0fs so far)", entry,
+            log.info("waiting for the building rank to preprocess the data into %s (%.0fs so far)", entry,
                      last_note - started)
         time.sleep(poll_s)
     return _read_meta(entry)

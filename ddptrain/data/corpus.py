@@ -1,8 +1,8 @@
 """Real corpora: text, JSONL, pre-tokenized token files and Hugging Face datasets, preprocessed once.
 
-`load_splits` expands the configured paths, fingerprints them, lets local rank 0 tokenize them
-into the cache (`cache.py`) while the other ranks wait, then memory-maps the entry and cuts the
-documents into examples. Bad input is a `DataError` naming the file (and line) at build time,
+`load_splits` expands the configured paths, fingerprints them, lets the ranks that share the
+cache directory tokenize a shard each into the cache (`shards.py`, `cache.py`), then memory-maps
+the entry and the index of its examples (`index.py`). Bad input is a `DataError` naming the file (and line) at build time,
 or a counted, logged skip (documents shorter than 2 tokens, undecodable bytes replaced).
 """
 

@@ -206,7 +206,10 @@ def test_a_hugging_face_dataset_goes_whole_to_one_shard(tmp_path):
     """data=hf numbers the rows of all its files together: the dataset is one unit, built by the rank
     whose shard holds its middle byte; the other rank's piece is empty, and the entry the same."""
     import_optional("datasets")
-    paths = _corpus(tmp_path / "c")[:2]
+    paths = [tmp_path / f"rows{k}.jsonl" for k in range(2)]
+    for k, path in enumerate(paths):  # datasets reads UTF-8 only
+        path.write_text("".join(json.dumps({"text": f"file {k} row {i}: " + "words " * (i % 9)}) + "\n"
+                                for i in range(300 * (k + 1))))
     cfg = _config(paths, tmp_path / "one", name="hf")
     load_splits(cfg, SEQ_LEN, local_rank=0)
     cfg.cache_dir = str(tmp_path / "two")
