@@ -62,12 +62,14 @@ def child(args) -> None:
 
 
 def write_tokens(path: Path, count: int) -> None:
+    """Random ids, an end of document about every 1,000 tokens; one random block written again and
+    again (drawing 2x10^9 random numbers would take longer than everything measured)."""
     rng = np.random.default_rng(0)
+    block = rng.integers(1, 50_000, min(CHUNK, count), dtype=np.uint16)
+    block[rng.random(len(block)) < 1e-3] = 0
     with path.open("wb") as handle:
         for at in range(0, count, CHUNK):
-            chunk = rng.integers(1, 50_000, min(CHUNK, count - at), dtype=np.uint16)
-            chunk[rng.random(len(chunk)) < 1e-3] = 0  # end of document: about every 1,000 tokens
-            handle.write(chunk.tobytes())
+            handle.write(block[: min(CHUNK, count - at)].tobytes())
 
 
 def run_child(code: Path, file: Path, cache: Path, seq_len: int, pack: bool) -> dict:

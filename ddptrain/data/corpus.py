@@ -2,8 +2,9 @@
 
 `load_splits` expands the configured paths, fingerprints them, lets the ranks that share the
 cache directory tokenize a shard each into the cache (`shards.py`, `cache.py`), then memory-maps
-the entry and the index of its examples (`index.py`). Bad input is a `DataError` naming the file (and line) at build time,
-or a counted, logged skip (documents shorter than 2 tokens, undecodable bytes replaced).
+the entry and the index of its examples (`index.py`). Bad input is a `DataError` naming the file
+(and line) at build time, or a counted, logged skip (documents shorter than 2 tokens, undecodable
+bytes replaced).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cach
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import DataSplits, TokenExamples, assign_splits
 from ddptrain.data.index import IndexHome
-from ddptrain.data.shards import (BuildTeam, Segment, Unit, segment_bytes, merge_pieces, plan_shards, save_piece,
-                                  sharded_build)
+from ddptrain.data.shards import (BuildTeam, Segment, Unit, merge_pieces, path_bytes, plan_shards, save_piece,
+                                  segment_bytes, sharded_build)
 from ddptrain.data.sources import (DataError, SplitNames, TextDecoder, expand_paths, hf_documents, is_blank,
                                    is_validation, jsonl_documents, text_documents, token_documents, token_file,
                                    warn_replaced)
@@ -153,9 +154,6 @@ def _vocab_size(data_cfg: Any, tokenizer, meta: dict) -> int:
 def _units(data_cfg: Any, train_files: list[Path], val_files: list[Path]) -> list[Unit]:
     """What the sharded build cuts: JSONL files at line starts; a text file and a Hugging Face
     dataset (all its files: their rows are numbered together) whole."""
-    def size(path: Path) -> int:
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-
     def whole(files: list[Path]) -> bool:  # a dataset read as one: data=hf, or records not all in JSONL files
         if data_cfg.name in ("sft", "preference"):
             return not all(p.is_file() and p.suffix.lower() == ".jsonl" for p in files)
@@ -164,9 +162,9 @@ def _units(data_cfg: Any, train_files: list[Path], val_files: list[Path]) -> lis
     units = []
     for files, validation in ((train_files, False), (val_files, True)):
         if files and whole(files):
-            units.append(Unit(tuple(str(p) for p in files), validation, sum(size(p) for p in files), False))
+            units.append(Unit(tuple(str(p) for p in files), validation, sum(path_bytes(p) for p in files), False))
         else:
-            units += [Unit((str(p),), validation, size(p), data_cfg.name != "text") for p in files]
+            units += [Unit((str(p),), validation, path_bytes(p), data_cfg.name != "text") for p in files]
     return units
 
 

@@ -232,7 +232,8 @@ def finish(tmp: Path, docs: np.ndarray, is_val: np.ndarray, counts: dict, tokens
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array)
     ref = {"tokens": {"npy": "tokens.npy"}}
-    return {"train": ref, "val": ref, "tokens": tokens, "skips": counts["skips"], "skip_examples": counts["skip_examples"],
+    return {"train": ref, "val": ref, "tokens": tokens, "skips": counts["skips"],
+            "skip_examples": counts["skip_examples"],
             "short_documents": 0, "short_example": None, "replaced_documents": counts["replaced_documents"],
             "replaced_example": counts["replaced_example"]}
 

@@ -280,17 +280,19 @@ def _ensure_piece(pieces: Path, shard: int, segments: list[Segment], build_piece
         raise
 
 
+def path_bytes(path: Path) -> int:
+    """A file's size, or the sizes of the files in a directory (a saved dataset)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
 def segment_bytes(segments: list[Segment]) -> int:
+    """The bytes the segments read."""
     total = 0
     for segment in segments:
         if segment.end is not None:
             total += segment.end - segment.start
-            continue
-        for name in segment.paths:
-            path = Path(name)
-            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
-            total += size
-        total -= segment.start
+        else:
+            total += sum(path_bytes(Path(name)) for name in segment.paths) - segment.start
     return total
 
 
