@@ -74,13 +74,18 @@ class PackedExamples:
     def _row(self, index: int):
         start, length = int(self.starts[index]), int(self.lengths[index])
         span = np.arange(start, start + length)
-        doc = np.searchsorted(self.doc_starts, span, side="right") - 1  # document of each token
+        # The row's documents: a contiguous slice of the (memory-mapped) offsets, then each token's.
+        first = int(np.searchsorted(self.doc_starts, start, side="right")) - 1
+        end = int(np.searchsorted(self.doc_starts, start + length, side="left"))
+        starts = np.asarray(self.doc_starts[first:end])
+        local = np.searchsorted(starts, span, side="right") - 1
+        doc = first + local  # document of each token
         tokens = (self.tokens[span] if self.doc_sources is None else
-                  self.tokens[self.doc_sources[doc] + (span - self.doc_starts[doc])])
+                  self.tokens[np.asarray(self.doc_sources[first:end])[local] + (span - starts[local])])
         inputs, targets = tokens[:-1], tokens[1:].astype(np.int64)
         targets[doc[1:] != doc[:-1]] = IGNORE_INDEX  # never predict the next document's first token
         segments = doc[:-1] - doc[0]
-        positions = span[:-1] - np.maximum(self.doc_starts[doc[:-1]], start)
+        positions = span[:-1] - np.maximum(starts[local[:-1]], start)
         return inputs, targets, positions, segments
 
     def attention_work(self) -> "RowWork":
