@@ -31,11 +31,11 @@ from ddptrain.testing import run_distributed
 WORDNET = Path("/usr/share/wordnet")
 
 
-def write_corpus(directory: Path, copies: int) -> list[Path]:
+def write_corpus(directory: Path, copies: int, limit: int | None = None) -> list[Path]:
     paths = []
     for part in ("noun", "verb", "adj", "adv"):
         lines = [line for line in (WORDNET / f"data.{part}").read_text(errors="replace").splitlines()
-                 if not line.startswith("  ")]  # the license header
+                 if not line.startswith("  ")][:limit]  # the license header
         path = directory / f"wordnet-{part}.jsonl"
         with path.open("w") as handle:
             for _ in range(copies):
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: SmolLM2's, built by "
                                                           "tests/real_model.py)")
     parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--lines", type=int, default=None, help="only the first LINES synsets of each file")
     args = parser.parse_args()
     tokenizer = args.tokenizer
     if tokenizer is None:
@@ -89,7 +90,7 @@ def main() -> None:
         tokenizer = str(smollm2_dir() / "tokenizer.json")
     work = Path(tempfile.mkdtemp(prefix="bench_preprocess-"))
     try:
-        paths = write_corpus(work, args.copies)
+        paths = write_corpus(work, args.copies, args.lines)
         size = sum(p.stat().st_size for p in paths)
         print(f"benchmarks.bench_preprocess: WordNet synsets as JSONL, {len(paths)} files, {size / 1e6:.1f} MB "
               f"({', '.join(f'{p.stat().st_size / 1e6:.1f}' for p in paths)} MB), tokenizer {tokenizer}, "
