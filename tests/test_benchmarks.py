@@ -249,3 +249,32 @@ def test_eval_benchmark_prints_task_time_per_token_beside_the_validation_loss():
     out = _run("benchmarks.bench_eval", "--items", "8", "--val-examples", "4", "--rounds", "1", "--max-docs", "20")
     assert out.startswith("benchmarks.bench_eval: default GPT on cpu"), out
     assert "validation loss" in out and "\ntasks " in out and "(target <= 1)" in out, out
+
+
+def test_data_scale_benchmark_reports_load_and_steps(tmp_path):
+    out = _run("benchmarks.bench_data_scale", "--tokens", "1e5", "--dir", str(tmp_path / "scale"))
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("1e+05")]
+    assert [row[1:4] for row in rows] == [["this", "False", "cold"], ["this", "False", "warm"],
+                                          ["this", "True", "cold"], ["this", "True", "warm"]], out
+    assert not (tmp_path / "scale").exists(), "the token file and the cache are deleted"
+
+
+def test_preprocess_benchmark_reports_each_ranks_share(tmp_path):
+    from tests.real_text import WORDNET
+
+    if not (WORDNET / "data.noun").is_file():
+        pytest.skip(f"WordNet is not installed ({WORDNET}/data.*): apt-get install -y wordnet-base")
+    tokenizers = import_optional("tokenizers")
+    import_optional("datasets")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator(["the synsets of wordnet"], tokenizers.trainers.BpeTrainer(vocab_size=300,
+                                                                                             special_tokens=["[UNK]"]))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    out = _run("benchmarks.bench_preprocess", "--lines", "200", "--ranks", "1,2", "--tokenizer",
+               str(tmp_path / "tokenizer.json"))
+    assert "datasets map(batched, num_proc=2)" in out and "ddptrain, 2 rank(s) (RAYON_NUM_THREADS=1)" in out, out
+    shares = re.findall(r"data: shard (\d) \(rank \d\): \d+ bytes \((\d+\.\d)% of the corpus", out)
+    assert [shard for shard, _ in shares] == ["0", "1"] and all(abs(float(p) - 50) < 5 for _, p in shares), out
+    counts = {line.split()[-3] for line in out.splitlines() if line.startswith(("datasets", "ddptrain"))}
+    assert len(counts) == 1, f"every contender counts the same tokens: {out}"

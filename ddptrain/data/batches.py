@@ -68,6 +68,17 @@ def budget_microbatches(ids: np.ndarray, tokens: np.ndarray, micro_tokens: int) 
     return [np.asarray(group, dtype=np.int64) for group in micro]
 
 
+class _Positions:
+    """`positions[ids]`: the input positions (L - 1) of those examples, read from their (memory-mapped)
+    lengths when asked, never an array of the whole corpus."""
+
+    def __init__(self, examples):
+        self.examples = examples
+
+    def __getitem__(self, ids) -> np.ndarray:
+        return self.examples.lengths[ids] - 1
+
+
 class TrainBatches:
     """This rank's microbatches of every step, plus the global cursor for checkpoints."""
 
@@ -94,7 +105,7 @@ class TrainBatches:
         self.world_size = world_size
         # Input positions of each example (L - 1): what a budget limits and what ranks balance (compute and
         # memory), masked-out targets included; the objective counts only valid targets (the Engine).
-        self._positions = examples.lengths - 1
+        self._positions = _Positions(examples)
         # Packed rows under a token budget: each row's attention work (its documents' squared lengths),
         # which ranks balance second. The micro_size layout splits by position and never reads it.
         self._attention = (examples.attention_work() if isinstance(examples, PackedExamples)

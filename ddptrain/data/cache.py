@@ -10,8 +10,10 @@ libraries that tokenize (`tokenizers`; transformers too for data=sft) and every 
 the arrays. meta.json also holds each array file's size and sha256 (sampled blocks
 beyond FULL_HASH_BYTES), verified on every load: a damaged entry is rebuilt, with a warning.
 
-One process per node builds (local rank 0) while the others poll for the finished entry, not
-in a barrier: a long build would outlast the process group's timeout. The build writes into a
+The ranks that share the cache directory build an entry together (ddptrain/data/shards.py: each
+tokenizes its shard, one merges), or one of them builds it (`build_or_wait`) while the others
+poll for the finished entry, not in a barrier: a long build would outlast the process group's
+timeout. The build writes into a
 temporary directory and renames it into place, so a reader never sees half an entry and two
 nodes building the same entry on a shared filesystem cannot corrupt it. A failed build leaves a
 marker with its message, so the waiting ranks fail with the same message instead of waiting.
@@ -95,10 +97,12 @@ def _failure_marker(cache_dir: Path, key: str) -> Path:
 
 
 def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_builder: bool,
-                  poll_s: float = 0.5) -> tuple[Path, dict, bool]:
-    """(entry dir, its meta, whether this call built it). `build(tmp_dir)` writes the arrays and returns meta."""
+                  poll_s: float = 0.5, failed: Path | None = None) -> tuple[Path, dict, bool]:
+    """(entry dir, its meta, whether this call built it). `build(tmp_dir)` writes the arrays and returns meta;
+    `failed`: the failure marker the builder writes and the others poll (default: this node's launch's)."""
     entry = cache_dir / key
-    failed = _failure_marker(cache_dir, key)
+    own_marker = failed is None  # this node's launch's: a marker left by an earlier launch of the same pid is stale
+    failed = failed or _failure_marker(cache_dir, key)
     if (entry / _META).is_file():
         meta = _read_meta(entry)
         damage = damaged_file(entry, meta)
@@ -114,7 +118,8 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
         return entry, _wait_for(entry, failed, poll_s), False
     cache_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_builds(cache_dir)
-    failed.unlink(missing_ok=True)  # a launcher pid reused by a later attempt
+    if own_marker:
+        failed.unlink(missing_ok=True)  # a launcher pid reused by a later attempt
     tmp = cache_dir / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -134,7 +139,8 @@ def build_or_wait(cache_dir: Path, key: str, build: Callable[[Path], dict], is_b
     except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            failed.write_text(f"{type(error).__name__}: {error}")
+            if not failed.is_file():  # a rank of a sharded build said it first (ddptrain/data/shards.py)
+                failed.write_text(f"{type(error).__name__}: {error}")
             if env_local_world_size() > 1:
                 # torchrun stops every rank as soon as one exits: say it now, then give the
                 # waiting ranks a few polls to read the marker and report the same error.
@@ -170,7 +176,7 @@ def _wait_for(entry: Path, failed: Path, poll_s: float, damaged: bool = False) -
             raise DataError(f"preprocessing failed on the building rank: {failed.read_text()}")
         if time.monotonic() - last_note > 60:
             last_note = time.monotonic()
-            log.info("waiting for local rank 0 to preprocess the data into %s (%.0fs so far)", entry,
+            log.info("waiting for the building rank to preprocess the data into %s (%.0fs so far)", entry,
                      last_note - started)
         time.sleep(poll_s)
     return _read_meta(entry)
@@ -269,11 +275,15 @@ def open_tokens(entry: Path, split_meta: dict) -> np.ndarray:
 
 class BuildProgress:
     """tqdm on a terminal (when installed), else a log line every `every_s` seconds, also while one
-    record takes long (a heartbeat thread says how far it got): preprocessing is never silent."""
+    record takes long (a heartbeat thread says how far it got): preprocessing is never silent. The
+    line says the documents and tokens so far, tokens/s and the ETA of `total`. `check()`, called
+    on updates, stops the build by raising (another rank of a sharded build failed)."""
 
-    def __init__(self, total: int, unit: str, description: str, every_s: float = 10.0):
+    def __init__(self, total: int, unit: str, description: str, every_s: float = 10.0,
+                 check: Callable[[], None] | None = None):
         self.total, self.unit, self.description, self.every_s = total, unit, description, every_s
-        self.done = 0
+        self.done = self.documents = self.tokens = 0
+        self.check = check
         self._started = self._last = time.monotonic()
         self._bar = None
         self._stop = threading.Event()
@@ -288,16 +298,28 @@ class BuildProgress:
 
     def update(self, amount: int) -> None:
         self.done += amount
+        if self.check is not None:
+            self.check()
         if self._bar is not None:
             self._bar.update(amount)
         elif time.monotonic() - self._last >= self.every_s:
             self._log()
 
+    def count(self, documents: int, tokens: int) -> None:
+        """Documents and tokens written so far, for the line's rates."""
+        self.documents += documents
+        self.tokens += tokens
+        if self._bar is not None:
+            self._bar.set_postfix(documents=self.documents, tokens=self.tokens, refresh=False)
+
     def _log(self) -> None:
         self._last = time.monotonic()
+        elapsed = self._last - self._started
         percent = 100.0 * self.done / self.total if self.total else 100.0
-        log.info("%s: %.1f%% (%d / %d %s, %.0fs)", self.description, percent, self.done, self.total, self.unit,
-                 self._last - self._started)
+        eta = elapsed * (self.total - self.done) / self.done if self.done else float("nan")
+        log.info("%s: %.1f%% (%d / %d %s), %d documents, %d tokens (%.0f tokens/s), %.0fs, ETA %.0fs",
+                 self.description, percent, self.done, self.total, self.unit, self.documents, self.tokens,
+                 self.tokens / max(elapsed, 1e-9), elapsed, eta)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.every_s / 4):

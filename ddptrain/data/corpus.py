@@ -1,13 +1,15 @@
 """Real corpora: text, JSONL, pre-tokenized token files and Hugging Face datasets, preprocessed once.
 
-`load_splits` expands the configured paths, fingerprints them, lets local rank 0 tokenize them
-into the cache (`cache.py`) while the other ranks wait, then memory-maps the entry and cuts the
-documents into examples. Bad input is a `DataError` naming the file (and line) at build time,
-or a counted, logged skip (documents shorter than 2 tokens, undecodable bytes replaced).
+`load_splits` expands the configured paths, fingerprints them, lets the ranks that share the
+cache directory tokenize a shard each into the cache (`shards.py`, `cache.py`), then memory-maps
+the entry and the index of its examples (`index.py`). Bad input is a `DataError` naming the file
+(and line) at build time, or a counted, logged skip (documents shorter than 2 tokens, undecodable
+bytes replaced).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -22,6 +24,9 @@ from ddptrain.data.cache import (BuildProgress, TokenWriter, build_or_wait, cach
                                  file_stamp, open_tokens, relative_stamps)
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import DataSplits, TokenExamples, assign_splits
+from ddptrain.data.index import IndexHome
+from ddptrain.data.shards import (BuildTeam, Segment, Unit, merge_pieces, path_bytes, plan_shards, save_piece,
+                                  segment_bytes, sharded_build)
 from ddptrain.data.sources import (DataError, SplitNames, TextDecoder, expand_paths, hf_documents, is_blank,
                                    is_validation, jsonl_documents, text_documents, token_documents, token_file,
                                    warn_replaced)
@@ -34,8 +39,11 @@ _ENCODE_BATCH = 256  # documents per tokenizer call (HF tokenizers encode a batc
 _CHUNK = 1 << 24  # tokens per pass over a token file (bounded memory for any file size)
 
 
-def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = None):
-    """DataSplits of a `text | jsonl | tokens | hf | sft | preference` source (see DataConfig), through the cache."""
+def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = None, collective: bool = False):
+    """DataSplits of a `text | jsonl | tokens | hf | sft | preference` source (see DataConfig), through the cache.
+
+    Called by every rank of the node (or, `collective`, by every rank of the process group: then the
+    ranks of every node that sees the same cache directory share the build; ddptrain/data/shards.py)."""
     if data_cfg.name == "stdlib":  # data.vocab_size as for every source (ddptrain.plan counts the model with it)
         tokenizer = load_tokenizer(data_cfg.tokenizer)
         splits = load_stdlib(seq_len, data_cfg.val_percent, data_cfg.max_docs, tokenizer)
@@ -64,26 +72,55 @@ def load_splits(data_cfg: DataConfig, seq_len: int, local_rank: int | None = Non
     key = cache_key(fingerprint)
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    team = BuildTeam.discover(cache_dir, local_rank) if collective else BuildTeam.from_env(local_rank)
 
     def build(tmp: Path) -> dict:
         if data_cfg.name == "tokens":
             meta = _build_token_files(tmp, data_cfg, train_files, val_files, index)
         elif is_whole:
-            meta = whole.build(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf", seq_len)
+            meta = whole.build(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf", seq_len,
+                               _whole_files(data_cfg, train_files, val_files))
         else:
             meta = _build_documents(tmp, data_cfg, tokenizer, train_files, val_files, cache_dir / "hf")
         return {"fingerprint": fingerprint, **meta}
 
+    def build_piece(out: Path, segments: list[Segment], check) -> dict:
+        names, hf_cache = SplitNames(train_files), cache_dir / "hf"
+        if is_whole:
+            docs, is_val, stats = whole.tokenize(out, data_cfg, tokenizer, segments, names, bool(val_files), hf_cache,
+                                                 seq_len, check)
+        else:
+            docs, is_val, stats = _tokenize_documents(out, data_cfg, tokenizer, segments, names, bool(val_files),
+                                                      hf_cache, check)
+        save_piece(out, docs, is_val, stats)
+        return stats
+
+    def merge(tmp: Path, pieces: list[Path]) -> dict:
+        if is_whole:
+            return {"fingerprint": fingerprint, **whole.merge(tmp, pieces, bool(val_files), seq_len)}
+        merged = merge_pieces(tmp, pieces, ("tokens.npy",), (0,))
+        meta = _finish_documents(tmp, merged["docs"], merged["is_val"], merged["counts"], merged["tokens"],
+                                 bool(val_files))
+        return {"fingerprint": fingerprint, **meta}
+
     started = time.perf_counter()
-    entry, meta, built = build_or_wait(cache_dir, key, build, is_builder=local_rank == 0)
+    if team.size > 1 and data_cfg.name != "tokens" and data_cfg.max_docs is None:
+        # Every rank of the team tokenizes its shard (data.max_docs counts documents in order: one process).
+        shards = plan_shards(_units(data_cfg, train_files, val_files), team.size)
+        entry, meta, built = sharded_build(cache_dir, key, team, shards, build_piece, merge)
+    else:
+        entry, meta, built = build_or_wait(cache_dir, key, build, is_builder=team.index == 0,
+                                           failed=team.failure_marker(cache_dir, key))
     vocab_size = _vocab_size(data_cfg, tokenizer, meta)
     splits = {}
     for split in ("train", "val"):
         if is_whole:
             splits[split] = whole.examples_of(entry, split, open_tokens(entry, meta[split]), meta)
             continue
-        docs = np.load(entry / f"{split}.docs.npy")
-        splits[split] = TokenExamples.from_token_array(open_tokens(entry, meta[split]), docs[:, 0], docs[:, 1], seq_len)
+        docs = np.load(entry / f"{split}.docs.npy", mmap_mode="r")
+        home = IndexHome(entry, split, seq_len, team.index == 0, team.launch)
+        splits[split] = TokenExamples.from_token_array(open_tokens(entry, meta[split]), docs[:, 0], docs[:, 1], seq_len,
+                                                       home)
     log.info("data: %s cache entry %s in %.2fs (%s, %d train + %d validation documents, vocabulary %d)",
              "built" if built else "reused", entry, time.perf_counter() - started, data_cfg.name,
              splits["train"].documents, splits["val"].documents, vocab_size)
@@ -114,53 +151,86 @@ def _vocab_size(data_cfg: Any, tokenizer, meta: dict) -> int:
     return int(data_cfg.vocab_size or tokenizer.vocab_size)
 
 
-def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path], val_files: list[Path],
-                     hf_cache: Path) -> dict:
-    """Tokenize text / JSONL / HF documents into one tokens.npy and per-split document offsets."""
+def _units(data_cfg: Any, train_files: list[Path], val_files: list[Path]) -> list[Unit]:
+    """What the sharded build cuts: JSONL files at line starts; a text file and a Hugging Face
+    dataset (all its files: their rows are numbered together) whole."""
+    def whole(files: list[Path]) -> bool:  # a dataset read as one: data=hf, or records not all in JSONL files
+        if data_cfg.name in ("sft", "preference"):
+            return not all(p.is_file() and p.suffix.lower() == ".jsonl" for p in files)
+        return data_cfg.name == "hf"
+
+    units = []
+    for files, validation in ((train_files, False), (val_files, True)):
+        if files and whole(files):
+            units.append(Unit(tuple(str(p) for p in files), validation, sum(path_bytes(p) for p in files), False))
+        else:
+            units += [Unit((str(p),), validation, path_bytes(p), data_cfg.name != "text") for p in files]
+    return units
+
+
+def _whole_files(data_cfg: Any, train_files: list[Path], val_files: list[Path]) -> list[Segment]:
+    """The one shard of a one-process build: every source whole."""
+    return [segment for shard in plan_shards(_units(data_cfg, train_files, val_files), 1) for segment in shard]
+
+
+def _tokenize_documents(out: Path, data_cfg: Any, tokenizer, segments: list[Segment], split_name: SplitNames,
+                        has_val_files: bool, hf_cache: Path, check=None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Tokenize the documents of `segments` into out/tokens.npy: ((D, 2) start and length, (D,) is
+    validation, the counts that meta.json reports)."""
     vocab = tokenizer.vocab_size
     dtype = np.uint8 if vocab <= 1 << 8 else np.uint16 if vocab <= 1 << 16 else np.uint32
-    writer = TokenWriter(tmp / "tokens.npy", dtype)
-    names, docs, is_val = [], [], []
-    stats = {"short_documents": 0, "short_example": None}
+    writer = TokenWriter(out / "tokens.npy", dtype)
+    docs, is_val = [], []
+    stats = {"short_documents": 0, "short_example": None, "last_name": None}
     decoder = TextDecoder(data_cfg.on_decode_error)  # one count for JSONL lines and tokenizer input alike
-    total = sum(p.stat().st_size for p in [*train_files, *val_files] if p.is_file())
-    progress = BuildProgress(total, "B", f"preprocessing {data_cfg.name} with tokenizer {tokenizer.name}")
+    progress = BuildProgress(segment_bytes(segments), "B", f"preprocessing {data_cfg.name} with tokenizer "
+                             f"{tokenizer.name}", check=check)
     try:
         batch: list[tuple[str, Any, bool]] = []
-        for name, payload, validation in _documents(data_cfg, train_files, val_files, hf_cache, progress, decoder):
+        for name, payload, validation in _documents(data_cfg, segments, has_val_files, split_name, hf_cache, progress,
+                                                    decoder):
             batch.append((name, _as_input(tokenizer, name, payload, decoder), validation))
             if len(batch) == _ENCODE_BATCH:
-                _write_batch(tokenizer, writer, batch, names, docs, is_val, stats)
+                _write_batch(tokenizer, writer, batch, docs, is_val, stats, progress)
                 batch = []
-        _write_batch(tokenizer, writer, batch, names, docs, is_val, stats)
+        _write_batch(tokenizer, writer, batch, docs, is_val, stats, progress)
     finally:
         writer.close()
         progress.close()
-    docs_array = np.asarray(docs, dtype=np.int64).reshape(-1, 2)
-    splits = assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files))
+    stats.update(replaced_documents=decoder.replaced_documents, replaced_example=decoder.replaced_example)
+    return np.asarray(docs, dtype=np.int64).reshape(-1, 2), np.asarray(is_val, dtype=bool), stats
+
+
+def _finish_documents(tmp: Path, docs: np.ndarray, is_val: np.ndarray, stats: dict, tokens: int,
+                      has_val_files: bool) -> dict:
+    """Each split's documents and the meta of a text / JSONL / HF entry, from its documents in order."""
+    splits = assign_splits([stats["last_name"]], docs, is_val, has_val_files)
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array)
     ref = {"tokens": {"npy": "tokens.npy"}}
-    return {"train": ref, "val": ref, "tokens": writer.count, **stats,
-            "replaced_documents": decoder.replaced_documents, "replaced_example": decoder.replaced_example}
+    return {"train": ref, "val": ref, "tokens": tokens, "short_documents": stats["short_documents"],
+            "short_example": stats["short_example"], "replaced_documents": stats["replaced_documents"],
+            "replaced_example": stats["replaced_example"]}
 
 
-def _documents(data_cfg: DataConfig, train_files, val_files, hf_cache, progress,
-               decoder: TextDecoder) -> Iterator[tuple[str, Any, bool]]:
+def _build_documents(tmp: Path, data_cfg: Any, tokenizer, train_files: list[Path], val_files: list[Path],
+                     hf_cache: Path) -> dict:
+    """Tokenize text / JSONL / HF documents into one tokens.npy and per-split document offsets."""
+    docs, is_val, stats = _tokenize_documents(tmp, data_cfg, tokenizer, _whole_files(data_cfg, train_files, val_files),
+                                              SplitNames(train_files), bool(val_files), hf_cache)
+    tokens = len(np.load(tmp / "tokens.npy", mmap_mode="r"))
+    return _finish_documents(tmp, docs, is_val, stats, tokens, bool(val_files))
+
+
+def _documents(data_cfg: DataConfig, segments: list[Segment], has_val_files: bool, split_name: SplitNames, hf_cache,
+               progress, decoder: TextDecoder) -> Iterator[tuple[str, Any, bool]]:
     """(name, payload, is validation) of every document, up to data.max_docs of data.paths and as many
     of data.val_paths (as data=tokens counts them). Text that is empty or nothing but whitespace (a
     JSONL field, a Hugging Face row, a text file) is no document in any source: not trained on, not a
     too-short one, not counted by data.max_docs; the others keep their names (file:line, dataset#row)."""
-    groups = [(train_files, None), (val_files, True)] if val_files else [(train_files, None)]
-    split_name = SplitNames(train_files)
-    for files, validation in groups:
+    for validation, group in itertools.groupby(segments, key=lambda segment: segment.validation):
         count = 0
-        if data_cfg.name == "text":
-            stream = text_documents(files, data_cfg.split_by)
-        elif data_cfg.name == "jsonl":
-            stream = jsonl_documents(files, data_cfg.field, decoder)
-        else:
-            stream = hf_documents(files, data_cfg.field, "validation" if validation else "train", hf_cache)
+        stream = itertools.chain.from_iterable(_segment_documents(data_cfg, s, hf_cache, decoder) for s in group)
         for name, payload, read in stream:
             if payload is None or is_blank(payload):  # a blank JSONL line, a whitespace-only file, field or row
                 progress.update(read)
@@ -169,8 +239,17 @@ def _documents(data_cfg: DataConfig, train_files, val_files, hf_cache, progress,
                 break
             progress.update(read)
             count += 1
-            yield name, payload, bool(validation) if validation else (
-                not val_files and is_validation(split_name(name), data_cfg.val_percent))
+            yield name, payload, validation or (not has_val_files and is_validation(split_name(name),
+                                                                                      data_cfg.val_percent))
+
+
+def _segment_documents(data_cfg: DataConfig, segment: Segment, hf_cache: Path, decoder: TextDecoder):
+    files = [Path(p) for p in segment.paths]
+    if data_cfg.name == "text":
+        return text_documents(files, data_cfg.split_by)
+    if data_cfg.name == "jsonl":
+        return jsonl_documents(files, data_cfg.field, decoder, segment.start, segment.end)
+    return hf_documents(files, data_cfg.field, "validation" if segment.validation else "train", hf_cache)
 
 
 def _as_input(tokenizer, name: str, payload, decoder: TextDecoder):
@@ -180,17 +259,20 @@ def _as_input(tokenizer, name: str, payload, decoder: TextDecoder):
     return decoder.decode(name, payload)
 
 
-def _write_batch(tokenizer, writer: TokenWriter, batch, names, docs, is_val, stats) -> None:
+def _write_batch(tokenizer, writer: TokenWriter, batch, docs, is_val, stats, progress: BuildProgress) -> None:
     if not batch:
         return
+    written = tokens = 0
     for (name, _, validation), ids in zip(batch, tokenizer.encode_batch([b[1] for b in batch])):
         if len(ids) < 2:
             stats["short_documents"] += 1
             stats["short_example"] = stats["short_example"] or name
             continue
         docs.append((writer.append(ids), len(ids)))
-        names.append(name)
+        stats["last_name"] = name
         is_val.append(validation)
+        written, tokens = written + 1, tokens + len(ids)
+    progress.count(written, tokens)
 
 
 def _build_token_files(tmp: Path, data_cfg: Any, train_files: list[Path], val_files: list[Path],

@@ -18,10 +18,14 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from ddptrain.data.index import IndexHome, write_example_index
 from ddptrain.data.sources import DataError
 from ddptrain.contract.targets import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
+
+EXAMPLE_ARRAYS = ("starts", "lengths", "doc_ids", "doc_begins", "doc_ends")
+"""The cached index of a split's examples (ddptrain/data/index.py), each (N,) or (D,) int64."""
 
 
 @dataclass
@@ -72,6 +76,9 @@ class TokenExamples:
     doc_ids: np.ndarray  # (N,) int64: which document of this split (0..documents-1) each example comes from
     mask: np.ndarray | None = None  # like `tokens`: 1 where the token is a target (data=sft), None: all are
     example_targets: np.ndarray | None = None  # (N,) int64: valid targets of each example, with a mask
+    total_targets: int | None = None  # valid targets of the split, where the cached index counted them
+    home: IndexHome | None = None  # where the split's index is cached (ddptrain/data/index.py), if it is
+    doc_spans: tuple[np.ndarray, np.ndarray] | None = None  # (D,) begin and end of each document, if indexed
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -118,12 +125,23 @@ class TokenExamples:
 
     @classmethod
     def from_token_array(cls, tokens: np.ndarray, doc_starts: np.ndarray, doc_lengths: np.ndarray,
-                         seq_len: int) -> "TokenExamples":
+                         seq_len: int, home: IndexHome | None = None) -> "TokenExamples":
         """The same cut as `from_documents`, for documents given as (start, length) in a flat array.
 
         `tokens` may be a read-only memory map of any size: nothing here touches the tokens, the
-        examples are computed from the document offsets alone (vectorised, O(examples)).
+        examples are computed from the document offsets alone (vectorised, O(examples)). With `home`,
+        they are computed once into the cache and memory-mapped (ddptrain/data/index.py).
         """
+        if home is not None:
+            found = home.arrays("examples", lambda writers: write_example_index(writers, doc_starts, doc_lengths,
+                                                                                seq_len), EXAMPLE_ARRAYS)
+            if found is not None:
+                arrays, meta = found
+                if not meta["documents"]:
+                    raise ValueError("the data source produced no example: every document was shorter than 2 tokens")
+                return cls(tokens, arrays["starts"], arrays["lengths"], meta["documents"], meta["skipped"],
+                           arrays["doc_ids"], total_targets=meta["valid_targets"], home=home,
+                           doc_spans=(arrays["doc_begins"], arrays["doc_ends"]))
         doc_starts = np.asarray(doc_starts, dtype=np.int64)
         doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
         usable = doc_lengths >= 2  # a document of one token has no (input, target) pair
@@ -144,6 +162,8 @@ class TokenExamples:
         return self.example_targets if self.mask is not None else self.lengths - 1
 
     def valid_targets(self) -> int:
+        if self.total_targets is not None and self.mask is None:
+            return self.total_targets
         return int(self.targets_per_example().sum())
 
     def collate(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ddptrain.data.dataset import TokenExamples
+from ddptrain.data.index import write_packed_index
 from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.contract.boundaries import DocumentBoundaries
 
@@ -34,19 +35,30 @@ from ddptrain.contract.boundaries import DocumentBoundaries
 class PackedExamples:
     """Rows of a packed token stream; `starts`/`lengths` play the role of TokenExamples' fields."""
 
-    tokens: np.ndarray  # the stream: every document once, end to end
+    tokens: np.ndarray  # the stream: every document once, end to end (or, with doc_sources, where they are)
     doc_starts: np.ndarray  # (D,) offset of each document in the stream, increasing
     starts: np.ndarray  # (N,) row starts (multiples of seq_len)
     lengths: np.ndarray  # (N,) seq_len + 1, except the last row
     documents: int
     skipped_documents: int
+    doc_sources: np.ndarray | None = None  # (D,) where each document starts in `tokens`; None: `tokens` is the stream
+    stream_tokens: int | None = None  # the stream's length, where `tokens` is not the stream
 
     def __len__(self) -> int:
         return len(self.starts)
 
     @classmethod
     def from_examples(cls, examples: TokenExamples, seq_len: int) -> "PackedExamples":
-        """Re-lay the documents behind `examples` (pieces overlapping by one token) as a stream."""
+        """Re-lay the documents behind `examples` (pieces overlapping by one token) as a stream: in place,
+        through a memory-mapped index in the cache, when the examples have one (ddptrain/data/index.py)."""
+        if examples.home is not None and examples.doc_spans is not None:
+            begins, ends = examples.doc_spans
+            found = examples.home.arrays("packed", lambda writers: write_packed_index(writers, begins, ends, seq_len),
+                                         ("doc_starts", "doc_sources", "starts", "lengths"))
+            if found is not None:
+                arrays, meta = found
+                return cls(examples.tokens, arrays["doc_starts"], arrays["starts"], arrays["lengths"],
+                           meta["documents"], examples.skipped_documents, arrays["doc_sources"], meta["stream_tokens"])
         order = np.argsort(examples.doc_ids, kind="stable")
         doc_ids = examples.doc_ids[order]
         first = np.flatnonzero(np.r_[True, doc_ids[1:] != doc_ids[:-1]])
@@ -62,28 +74,30 @@ class PackedExamples:
     def _row(self, index: int):
         start, length = int(self.starts[index]), int(self.lengths[index])
         span = np.arange(start, start + length)
-        doc = np.searchsorted(self.doc_starts, span, side="right") - 1  # document of each token
-        inputs, targets = self.tokens[span[:-1]], self.tokens[span[1:]].astype(np.int64)
+        # The row's documents: a contiguous slice of the (memory-mapped) offsets, then each token's.
+        first = int(np.searchsorted(self.doc_starts, start, side="right")) - 1
+        end = int(np.searchsorted(self.doc_starts, start + length, side="left"))
+        starts = np.asarray(self.doc_starts[first:end])
+        local = np.searchsorted(starts, span, side="right") - 1
+        doc = first + local  # document of each token
+        tokens = (self.tokens[span] if self.doc_sources is None else
+                  self.tokens[np.asarray(self.doc_sources[first:end])[local] + (span - starts[local])])
+        inputs, targets = tokens[:-1], tokens[1:].astype(np.int64)
         targets[doc[1:] != doc[:-1]] = IGNORE_INDEX  # never predict the next document's first token
         segments = doc[:-1] - doc[0]
-        positions = span[:-1] - np.maximum(self.doc_starts[doc[:-1]], start)
+        positions = span[:-1] - np.maximum(starts[local[:-1]], start)
         return inputs, targets, positions, segments
 
-    def attention_work(self) -> np.ndarray:
-        """(N,) per row, the sum of the squared lengths of the document pieces among its inputs: what
-        causal attention within each document costs, up to a constant (a row of one document of T
-        tokens costs T^2, a row of k documents of T / k tokens T^2 / k)."""
-        ends = self.starts + self.lengths - 1  # a row's inputs: [start, start + length - 1)
-        cuts = np.union1d(self.doc_starts, self.starts)
-        cuts = cuts[cuts < ends[-1]]
-        pieces = np.diff(np.r_[cuts, ends[-1]])
-        rows = np.searchsorted(self.starts, cuts, side="right") - 1
-        # A piece ends at the next cut, and rows' input spans end where the next row starts.
-        return np.bincount(rows, weights=pieces.astype(np.float64) ** 2, minlength=len(self)).astype(np.int64)
+    def attention_work(self) -> "RowWork":
+        """Per row (indexed by row ids), the sum of the squared lengths of the document pieces among its
+        inputs: what causal attention within each document costs, up to a constant (a row of one
+        document of T tokens costs T^2, a row of k documents of T / k tokens T^2 / k). Computed for
+        the rows asked for: a step's, not the corpus's."""
+        return RowWork(self)
 
     def valid_targets(self) -> int:
-        # Rows overlap by one token: len(tokens) - 1 pairs, minus one per document boundary.
-        return len(self.tokens) - self.documents
+        # Rows overlap by one token: len(stream) - 1 pairs, minus one per document boundary.
+        return (len(self.tokens) if self.stream_tokens is None else self.stream_tokens) - self.documents
 
     def collate(self, indices: np.ndarray) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({"idx", "positions", "segments", "documents"}, targets): (B, T) tensors with T the longest
@@ -95,6 +109,28 @@ class PackedExamples:
             inputs[row, :used], targets[row, :used] = row_inputs, row_targets
             positions[row, :used], segments[row, :used] = row_positions, row_segments
         return packed_batch(inputs, positions, segments), torch.from_numpy(targets)
+
+
+class RowWork:
+    """PackedExamples.attention_work, row by row: `work[ids]` is an (len(ids),) int64 array."""
+
+    def __init__(self, packed: PackedExamples):
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def __getitem__(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        work = np.empty(len(ids), dtype=np.int64)
+        for k, row in enumerate(ids):
+            start = int(self.packed.starts[row])
+            end = start + int(self.packed.lengths[row]) - 1  # a row's inputs: [start, start + length - 1)
+            inside = self.packed.doc_starts[np.searchsorted(self.packed.doc_starts, start, side="right"):
+                                            np.searchsorted(self.packed.doc_starts, end, side="left")]
+            # A piece ends at the next document start inside the row, or at the end of the row's inputs.
+            work[k] = int((np.diff(np.r_[start, inside, end]).astype(np.int64) ** 2).sum())
+        return work
 
 
 def empty_rows(rows: int, width: int) -> tuple[np.ndarray, ...]:

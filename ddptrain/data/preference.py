@@ -31,7 +31,8 @@ from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import TokenExamples, assign_splits
 from ddptrain.data.packing import lay_out_rows, pack_into_rows, packed_batch
 from ddptrain.data import sft
-from ddptrain.data.sft import _messages, records
+from ddptrain.data.sft import _messages
+from ddptrain.data.shards import Segment, merge_pieces, segment_bytes
 from ddptrain.data.sources import DataError, SplitNames, TextDecoder, is_validation
 
 log = logging.getLogger(__name__)
@@ -137,24 +138,23 @@ def _sequences(name: str, encoded, truncation: str, span: int, skips: _Skips):
     return pair
 
 
-def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[Path], val_files: list[Path],
-          hf_cache: Path, seq_len: int) -> dict:
-    """Tokenize every pair into tokens.npy and mask.npy; per split, (start, length, targets) of each pair's
-    chosen then rejected sequence (2 rows per pair)."""
+def tokenize(out: Path, data_cfg: Any, tokenizer: ChatTokenizer, segments: list[Segment], split_name: SplitNames,
+             has_val_files: bool, hf_cache: Path, seq_len: int, check=None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Tokenize the pairs of `segments` into out/tokens.npy and out/mask.npy: ((P, 6) each pair's chosen then
+    rejected (start, length, targets); (P,) is validation; the counts that meta.json reports)."""
     vocab = tokenizer.vocab_size
     dtype = np.uint8 if vocab <= 1 << 8 else np.uint16 if vocab <= 1 << 16 else np.uint32
-    tokens, mask = TokenWriter(tmp / "tokens.npy", dtype), TokenWriter(tmp / "mask.npy", np.uint8)
-    names, docs, is_val = [], [], []
+    tokens, mask = TokenWriter(out / "tokens.npy", dtype), TokenWriter(out / "mask.npy", np.uint8)
+    docs, is_val = [], []
     skips, read_pairs = _Skips(), 0
+    last_name = None
     decoder = TextDecoder(data_cfg.on_decode_error)
-    total = sum(p.stat().st_size for p in [*train_files, *val_files] if p.is_file())
-    progress = BuildProgress(total, "B", f"preprocessing preference pairs with tokenizer {tokenizer.name}")
-    split_name = SplitNames(train_files)
+    progress = BuildProgress(segment_bytes(segments), "B",
+                             f"preprocessing preference pairs with tokenizer {tokenizer.name}", check=check)
     try:
-        groups = [(train_files, "train"), (val_files, "validation")] if val_files else [(train_files, "train")]
-        for files, split in groups:
+        for validation, group in sft.group_records(segments, hf_cache, decoder):
             count = 0
-            for name, record, read in records(files, split, hf_cache, decoder):
+            for name, record, read in group:
                 if data_cfg.max_docs is not None and count >= data_cfg.max_docs:
                     break
                 count += 1
@@ -168,24 +168,48 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
                     row += [tokens.append(ids), len(ids), int(marks[1:].sum())]
                     mask.append(marks)
                 docs.append(row)
-                names.append(name)
-                hashed = not val_files and is_validation(split_name(name), data_cfg.val_percent)
-                is_val.append(split == "validation" or hashed)
+                last_name = name
+                progress.count(1, row[1] + row[4])
+                is_val.append(validation or (not has_val_files and is_validation(split_name(name),
+                                                                                   data_cfg.val_percent)))
     finally:
         tokens.close()
         mask.close()
         progress.close()
-    docs_array = np.asarray(docs, dtype=np.int64).reshape(-1, 6)
-    skipped = sft.skipped_in_words(skips.counts, skips.first, _SKIPS, seq_len + 1)
-    splits = assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files),
-                           usable="preference pair with targets",
-                           skipped=f"read {read_pairs} pair(s){': ' + skipped if skipped else ''}")
+    counts = {"skips": skips.counts, "skip_examples": skips.first, "replaced_documents": decoder.replaced_documents,
+              "replaced_example": decoder.replaced_example, "last_name": last_name, "read": read_pairs}
+    return np.asarray(docs, dtype=np.int64).reshape(-1, 6), np.asarray(is_val, dtype=bool), counts
+
+
+def finish(tmp: Path, docs: np.ndarray, is_val: np.ndarray, counts: dict, tokens: int, has_val_files: bool,
+           seq_len: int) -> dict:
+    """Each split's sequences (a pair's two in turn) and the meta of a preference entry, from its pairs in order."""
+    skipped = sft.skipped_in_words(counts["skips"], counts["skip_examples"], _SKIPS, seq_len + 1)
+    splits = assign_splits([counts["last_name"]], docs, is_val, has_val_files, usable="preference pair with targets",
+                           skipped=f"read {counts['read']} pair(s){': ' + skipped if skipped else ''}")
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array.reshape(-1, 3))
     ref = {"tokens": {"npy": "tokens.npy"}}
-    return {"train": ref, "val": ref, "tokens": tokens.count, "skips": skips.counts, "skip_examples": skips.first,
-            "short_documents": 0, "short_example": None, "replaced_documents": decoder.replaced_documents,
-            "replaced_example": decoder.replaced_example}
+    return {"train": ref, "val": ref, "tokens": tokens, "skips": counts["skips"],
+            "skip_examples": counts["skip_examples"],
+            "short_documents": 0, "short_example": None, "replaced_documents": counts["replaced_documents"],
+            "replaced_example": counts["replaced_example"]}
+
+
+def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[Path], val_files: list[Path],
+          hf_cache: Path, seq_len: int, segments: list[Segment]) -> dict:
+    """Tokenize every pair into tokens.npy and mask.npy; per split, (start, length, targets) of each pair's
+    chosen then rejected sequence (2 rows per pair)."""
+    docs, is_val, counts = tokenize(tmp, data_cfg, tokenizer, segments, SplitNames(train_files), bool(val_files),
+                                    hf_cache, seq_len)
+    return finish(tmp, docs, is_val, counts, len(np.load(tmp / "tokens.npy", mmap_mode="r")), bool(val_files),
+                  seq_len)
+
+
+def merge(tmp: Path, pieces: list[Path], has_val_files: bool, seq_len: int) -> dict:
+    """The entry of pieces built by `tokenize` on the ranks of a sharded build, as `build` writes it."""
+    merged = merge_pieces(tmp, pieces, ("tokens.npy", "mask.npy"), (0, 3))
+    return finish(tmp, merged["docs"], merged["is_val"], merged["counts"], merged["tokens"], has_val_files, seq_len)
 
 
 def warn_skips(meta: dict, seq_len: int) -> None:

@@ -16,6 +16,7 @@ an example left without any target is dropped and counted. Bad records stop prep
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,6 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ddptrain.data.cache import BuildProgress, TokenWriter
+from ddptrain.data.shards import Segment, merge_pieces, segment_bytes
 from ddptrain.data.chat import ChatTokenizer
 from ddptrain.data.dataset import TokenExamples, assign_splits
 from ddptrain.data.sources import DataError, SplitNames, TextDecoder, hf_records, is_validation, jsonl_records
@@ -47,15 +49,17 @@ def fingerprint(data_cfg: Any, seq_len: int) -> dict:
             "truncation": data_cfg.truncation, "seq_len": seq_len}
 
 
-def records(files: list[Path], split: str, hf_cache: Path, decoder: TextDecoder) -> Iterator[tuple[str, dict, int]]:
-    """(name, record, bytes read): JSONL lines (blank ones skipped), or the rows of an HF dataset."""
+def records(files: list[Path], split: str, hf_cache: Path, decoder: TextDecoder, start: int = 0,
+            end: int | None = None) -> Iterator[tuple[str, dict, int]]:
+    """(name, record, bytes read): JSONL lines (blank ones skipped; those starting in bytes [start, end)),
+    or the rows of an HF dataset."""
     directories = [p for p in files if p.is_dir()]
     if directories and len(directories) < len(files):  # datasets would read them as data files, and fail
         raise DataError(f"data.paths: {directories[0]} is a directory, matched beside files; data=sft reads .jsonl "
                         "files or Hugging Face dataset directories, not both: name the files (or a glob only they "
                         "match)")
     if all(p.is_file() and p.suffix.lower() == ".jsonl" for p in files):
-        for name, record, read in jsonl_records(files, decoder):
+        for name, record, read in jsonl_records(files, decoder, start, end):
             if record is not None:
                 yield name, record, read
         return
@@ -154,24 +158,33 @@ class _Skips:
         self.first.setdefault(kind, name)
 
 
-def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[Path], val_files: list[Path],
-          hf_cache: Path, seq_len: int) -> dict:
-    """Render and tokenize every record into tokens.npy and mask.npy, and each split's (start, length, targets)."""
+def group_records(segments: list[Segment], hf_cache: Path,
+                  decoder: TextDecoder) -> Iterator[tuple[bool, Iterator[tuple[str, dict, int]]]]:
+    """(is validation, its records) of each group of `segments` (data.paths, then data.val_paths)."""
+    for validation, group in itertools.groupby(segments, key=lambda segment: segment.validation):
+        split = "validation" if validation else "train"
+        yield validation, itertools.chain.from_iterable(
+            records([Path(p) for p in s.paths], split, hf_cache, decoder, s.start, s.end) for s in group)
+
+
+def tokenize(out: Path, data_cfg: Any, tokenizer: ChatTokenizer, segments: list[Segment], split_name: SplitNames,
+             has_val_files: bool, hf_cache: Path, seq_len: int, check=None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Render and tokenize the records of `segments` into out/tokens.npy and out/mask.npy: ((D, 3) start,
+    length, targets; (D,) is validation; the counts that meta.json reports)."""
     vocab = tokenizer.vocab_size
     dtype = np.uint8 if vocab <= 1 << 8 else np.uint16 if vocab <= 1 << 16 else np.uint32
-    tokens, mask = TokenWriter(tmp / "tokens.npy", dtype), TokenWriter(tmp / "mask.npy", np.uint8)
-    names, docs, is_val = [], [], []
+    tokens, mask = TokenWriter(out / "tokens.npy", dtype), TokenWriter(out / "mask.npy", np.uint8)
+    docs, is_val = [], []
     skips = _Skips()
+    last_name = None
     span = seq_len + 1
     decoder = TextDecoder(data_cfg.on_decode_error)
-    total = sum(p.stat().st_size for p in [*train_files, *val_files] if p.is_file())
-    progress = BuildProgress(total, "B", f"preprocessing sft with tokenizer {tokenizer.name}")
-    split_name = SplitNames(train_files)
+    progress = BuildProgress(segment_bytes(segments), "B", f"preprocessing sft with tokenizer {tokenizer.name}",
+                             check=check)
     try:
-        groups = [(train_files, "train"), (val_files, "validation")] if val_files else [(train_files, "train")]
-        for files, split in groups:
+        for validation, group in group_records(segments, hf_cache, decoder):
             count = 0  # data.max_docs of each: data.val_paths are not crowded out by data.paths
-            for name, record, read in records(files, split, hf_cache, decoder):
+            for name, record, read in group:
                 if data_cfg.max_docs is not None and count >= data_cfg.max_docs:
                     break
                 count += 1
@@ -196,23 +209,46 @@ def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[
                     continue
                 docs.append((tokens.append(ids), len(ids), targets))
                 mask.append(marks)
-                names.append(name)
-                hashed = not val_files and is_validation(split_name(name), data_cfg.val_percent)
-                is_val.append(split == "validation" or hashed)
+                last_name = name
+                progress.count(1, len(ids))
+                is_val.append(validation or (not has_val_files and is_validation(split_name(name),
+                                                                                   data_cfg.val_percent)))
     finally:
         tokens.close()
         mask.close()
         progress.close()
-    docs_array = np.asarray(docs, dtype=np.int64).reshape(-1, 3)
-    why = skipped_in_words(skips.counts, skips.first, _SKIPS, span)
-    splits = assign_splits(names, docs_array, np.asarray(is_val, dtype=bool), bool(val_files),
-                           usable="example with a target", skipped=why)
+    counts = {"skips": skips.counts, "skip_examples": skips.first, "replaced_documents": decoder.replaced_documents,
+              "replaced_example": decoder.replaced_example, "last_name": last_name}
+    return np.asarray(docs, dtype=np.int64).reshape(-1, 3), np.asarray(is_val, dtype=bool), counts
+
+
+def finish(tmp: Path, docs: np.ndarray, is_val: np.ndarray, counts: dict, tokens: int, has_val_files: bool,
+           seq_len: int) -> dict:
+    """Each split's examples and the meta of an sft entry, from its examples in order."""
+    why = skipped_in_words(counts["skips"], counts["skip_examples"], _SKIPS, seq_len + 1)
+    splits = assign_splits([counts["last_name"]], docs, is_val, has_val_files, usable="example with a target",
+                           skipped=why)
     for split, array in splits.items():
         np.save(tmp / f"{split}.docs.npy", array)
     ref = {"tokens": {"npy": "tokens.npy"}}
-    return {"train": ref, "val": ref, "tokens": tokens.count, "skips": skips.counts, "skip_examples": skips.first,
-            "short_documents": 0, "short_example": None, "replaced_documents": decoder.replaced_documents,
-            "replaced_example": decoder.replaced_example}
+    return {"train": ref, "val": ref, "tokens": tokens, "skips": counts["skips"],
+            "skip_examples": counts["skip_examples"],
+            "short_documents": 0, "short_example": None, "replaced_documents": counts["replaced_documents"],
+            "replaced_example": counts["replaced_example"]}
+
+
+def build(tmp: Path, data_cfg: Any, tokenizer: ChatTokenizer, train_files: list[Path], val_files: list[Path],
+          hf_cache: Path, seq_len: int, segments: list[Segment]) -> dict:
+    """Render and tokenize every record into tokens.npy and mask.npy, and each split's (start, length, targets)."""
+    docs, is_val, counts = tokenize(tmp, data_cfg, tokenizer, segments, SplitNames(train_files), bool(val_files),
+                                    hf_cache, seq_len)
+    return finish(tmp, docs, is_val, counts, len(np.load(tmp / "tokens.npy", mmap_mode="r")), bool(val_files), seq_len)
+
+
+def merge(tmp: Path, pieces: list[Path], has_val_files: bool, seq_len: int) -> dict:
+    """The entry of pieces built by `tokenize` on the ranks of a sharded build, as `build` writes it."""
+    merged = merge_pieces(tmp, pieces, ("tokens.npy", "mask.npy"), (0,))
+    return finish(tmp, merged["docs"], merged["is_val"], merged["counts"], merged["tokens"], has_val_files, seq_len)
 
 
 def skipped_in_words(counts: dict[str, int], first: dict[str, str], reasons: dict[str, str], span: int) -> str:

@@ -81,9 +81,9 @@ def decay_steps(cfg: TrainConfig) -> int:
 
 
 def load_data(cfg: TrainConfig, dist_info: DistInfo) -> DataSplits:
-    """The tokenized splits; local rank 0 of each node preprocesses into the shared cache, the others wait."""
+    """The tokenized splits; the ranks that share the cache directory preprocess it together (a shard each)."""
     started = time.perf_counter()
-    data = load_splits(cfg.data, cfg.batch.seq_len, local_rank=dist_info.local_rank)
+    data = load_splits(cfg.data, cfg.batch.seq_len, local_rank=dist_info.local_rank, collective=True)
     log.info("data: %d train documents -> %d examples (%d valid targets), %d validation examples, %.1fs",
              data.train.documents, len(data.train), data.train.valid_targets(), len(data.val),
              time.perf_counter() - started)

@@ -277,3 +277,26 @@ def test_preempted_job_checkpoints_requeues_and_matches_uninterrupted_run(
     different = [name for name in reference_weights
                  if not torch.equal(final_weights[name], reference_weights[name])]
     assert not different, f"parameters differ from the uninterrupted run: {different}"
+
+
+def test_two_nodes_share_the_preprocessing_and_build_a_one_process_entry(slurm_env, tmp_path):
+    """Two nodes of 2 ranks on a cache directory both see: the 4 ranks tokenize a shard each (the
+    JSONL corpus cut at line starts), rank 0 merges, and the entry is the one-process build's, byte
+    for byte (ddptrain/data/shards.py)."""
+    from ddptrain.data import load_splits
+    from tests.data.test_sharded_build import _config, _corpus, _entry_digests
+
+    paths = _corpus(tmp_path / "corpus")
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    data = ["data=jsonl", f"data.paths=[{','.join(str(p) for p in paths)}]", "data.field=text",
+            f"data.cache_dir={cache}", "data.max_docs=null", "data.val_percent=10.0"]
+    job_id = submit("multi_node.sbatch", [f"run.dir={run_dir}"] + SLURM_RUN + data, tmp_path, slurm_env,
+                    {"DDPTRAIN_NPROC_PER_NODE": "2"})
+    fields = wait_for_job(job_id, slurm_env, timeout=180)
+    output = job_output(tmp_path)
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", output
+    assert [record["step"] for record in read_metrics(run_dir)] == list(range(1, MAX_STEPS + 1)), output
+    for shard in range(4):
+        assert re.search(rf"data: shard {shard} \(rank {shard}\): \d+ bytes \(2\d\.\d% of the corpus", output), output
+    load_splits(_config(paths, tmp_path / "one"), 16, local_rank=0)
+    assert _entry_digests(cache) == _entry_digests(tmp_path / "one")
