@@ -149,8 +149,7 @@ class FSDPStrategy(Strategy):
         memo = {id(param): nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
                 for param in model.parameters()}  # deepcopy takes these for the parameters (ties kept)
         reference = copy.deepcopy(model, memo)
-        reference.requires_grad_(False)
-        return reference.eval()
+        return reference.requires_grad_(False)  # eval() once materialized: transformers' eval() refuses meta
 
     def hold_frozen(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
         """Sharded as the model is (the same units, mesh and mixed precision), each unit gathered for
@@ -172,7 +171,7 @@ class FSDPStrategy(Strategy):
                 mine.copy_(theirs)
             for name, buffer in module.named_buffers():
                 buffer.copy_(buffers[name])
-        return module
+        return module.eval()
 
     def shard_unit_names(self, model: nn.Module) -> set[str]:
         """The class names sharded as units: strategy.shard_modules, else the model's blocks. A name
