@@ -86,3 +86,16 @@ def test_the_sharded_reference_gives_the_whole_copys_losses_and_each_rank_holds_
                 for key, value in metrics.items():
                     if key != "reward_accuracy" or loss != expected[0][0]:  # step 1's rewards: 0 up to rounding
                         assert math.isclose(value, whole_metrics[key], rel_tol=1e-9, abs_tol=1e-12), (other, key)
+
+
+def test_the_memory_plan_divides_a_frozen_copy_by_the_ranks_that_shard_it():
+    """Footprint.frozen_copy_shards: what a plan of DPO's full fine-tune divides the reference's bytes by."""
+    from ddptrain.strategies import strategy_class
+    from ddptrain.strategies.footprint import Layout, ParameterCounts
+
+    counts = ParameterCounts(parameters=1000, trainable=1000, largest_unit=100)
+    layout = Layout(world_size=4, ranks_per_node=2, replicate=2, micro_batch_size=1, seq_len=8, grad_accum_steps=1,
+                    precision="fp32", optimizer="adamw")
+    shards = {footprint.name: footprint.frozen_copy_shards
+              for name in ("ddp", "fsdp") for footprint in strategy_class(name).memory_per_rank(counts, layout)}
+    assert shards == {"ddp": 1, "fsdp": 4, "hsdp": 2}, "hsdp: sharded within a replica of 2 ranks"
