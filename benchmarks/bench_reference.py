@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{world_size:>5} {rank:>4} | {whole['held'] / mib:>12.1f}{sharded['held'] / mib:>13.1f} | "
                   f"{whole['peak'] / mib:>10.0f}{sharded['peak'] / mib:>11.0f} | "
                   f"{(whole['peak'] - whole['baseline']) / mib:>10.0f}"
-                  f"{(sharded['peak'] - sharded['baseline']) / mib:>11.0f}")
+                  f"{(sharded['peak'] - sharded['baseline']) / mib:>11.0f}", flush=True)
 
 
 if __name__ == "__main__":
