@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
           f"(vocab {args.vocab_size}), fp32 AdamW, {PAIRS_PER_RANK} pairs of {args.seq_len} tokens per rank, "
           f"2 steps; MiB per rank{' (glibc malloc as it comes)' if args.malloc_default else ''}")
     print(f"{'ranks':>5} {'rank':>4} | {'reference held':>25} | {'peak RSS':>21} | {'peak above start':>21}")
-    print(f"{'':>5} {'':>4} | {'whole':>12}{'sharded':>13} | {'whole':>10}{'sharded':>11} | {'whole':>10}{'sharded':>11}")
+    pair = f"{'whole':>10}{'sharded':>11}"
+    print(f"{'':>5} {'':>4} | {'whole':>12}{'sharded':>13} | {pair} | {pair}")
     for world_size in (int(size) for size in args.world_sizes.split(",")):
         ranks = {way: run_distributed(_measure, world_size, way, args.n_layer, args.n_embd, args.vocab_size,
                                       args.seq_len, args.malloc_default) for way in WAYS}

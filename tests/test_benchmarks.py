@@ -62,7 +62,7 @@ def test_memory_benchmark_compares_ddp_and_zero1():
 
 
 def test_reference_benchmark_prints_the_whole_copy_beside_the_sharded_one_per_rank():
-    out = _run("benchmarks.bench_reference", "--world-sizes", "2", "--n-layer", "1", "--n-embd", "128",
+    out = _run("benchmarks.bench_reference", "--world-sizes", "2", "--n-layer", "1", "--n-embd", "256",
                "--vocab-size", "256", "--seq-len", "16")
     assert out.startswith("benchmarks.bench_reference: fsdp, DPO full fine-tuning"), out
     rows = [line.replace("|", " ").split() for line in out.splitlines() if line.lstrip().startswith("2 ")]

@@ -103,4 +103,4 @@ class Footprint:
     collectives: list[Collective] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     frozen_copy_shards: int = 1
-    """The ranks a frozen copy of the weights (DPO's reference, Strategy.hold_frozen) is split over: each holds 1/this."""
+    """Ranks a frozen copy of the weights (DPO's reference: Strategy.hold_frozen) is split over."""
