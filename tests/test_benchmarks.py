@@ -61,6 +61,17 @@ def test_memory_benchmark_compares_ddp_and_zero1():
         "LoRA's optimizer state is the adapter's, and zero1 partitions it"
 
 
+def test_reference_benchmark_prints_the_whole_copy_beside_the_sharded_one_per_rank():
+    out = _run("benchmarks.bench_reference", "--world-sizes", "2", "--n-layer", "1", "--n-embd", "256",
+               "--vocab-size", "256", "--seq-len", "16")
+    assert out.startswith("benchmarks.bench_reference: fsdp, DPO full fine-tuning"), out
+    rows = [line.replace("|", " ").split() for line in out.splitlines() if line.lstrip().startswith("2 ")]
+    assert [row[:2] for row in rows] == [["2", "0"], ["2", "1"]], out
+    for row in rows:
+        whole, sharded = float(row[2]), float(row[3])
+        assert sharded == pytest.approx(whole / 2, rel=0.1), "each of 2 ranks holds half of the reference"
+
+
 def test_peer_benchmark_compares_packed_rows_with_the_trainers_group_by_length():
     import_optional("transformers")
     # Two contenders keep it short (each is a 2-rank torchrun); the others print the same rows.

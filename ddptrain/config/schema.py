@@ -295,8 +295,8 @@ class LoggerConfig:
     mlflow: MLflowConfig = field(default_factory=MLflowConfig)
     progress: str = "auto"
     """Rank-0 console: auto (a bar on a terminal, log lines otherwise) | bar | lines."""
-    peak_flops: Optional[float] = None
-    """Peak FLOP/s of one device for MFU (null: from the table of known accelerators; none on CPU)."""
+    peak_flops: Any = "auto"
+    """Peak FLOP/s of one device for MFU: auto (the accelerator table, else a matmul probe at start-up) | FLOP/s | null."""
 
 
 @dataclass

@@ -127,8 +127,10 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     _validate_data(cfg.data)
     _refuse_data_in_run_dir(cfg.data, cfg.run.dir)
     _refuse_unread_keys(cfg)
-    if cfg.logger.peak_flops is not None and not cfg.logger.peak_flops > 0:
-        raise ConfigError(f"logger.peak_flops={cfg.logger.peak_flops!r} must be > 0 or null (from the device table)")
+    peak = cfg.logger.peak_flops
+    if peak not in ("auto", None) and not (isinstance(peak, (int, float)) and not isinstance(peak, bool) and peak > 0):
+        raise ConfigError(f"logger.peak_flops={peak!r} must be auto (the device table, else a matmul probe), "
+                          "FLOP/s > 0, or null (no MFU)")
     _validate_checkpoint(cfg.checkpoint)
     validate_evaluation(cfg)
     _validate_strategy(cfg.strategy, cfg.trainer.precision, world_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, ContextManager
@@ -135,6 +136,24 @@ class Strategy(abc.ABC):
             if local.is_floating_point() and local.numel() and not torch.isfinite(local).all():
                 bad.append(name)
         return bad
+
+    # -- a frozen copy of the weights (DPO's reference) --------------------------------------------
+
+    @classmethod
+    def frozen_copy(cls, model: nn.Module) -> nn.Module:
+        """A copy of `model`'s current weights that never trains, taken before `setup` (which may
+        cast or move them) and handed to `hold_frozen` after it: whole by default."""
+        reference = copy.deepcopy(model)
+        reference.requires_grad_(False)
+        return reference.eval()
+
+    def hold_frozen(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+        """`frozen_copy`'s copy, on `device` (in `dtype` if given), held as this strategy holds the
+        model's weights: whole on every rank by default, as ddp and ZeRO-1/2 hold the model's. Its
+        forward is called without gradients and, where the strategy `communicates_every_microbatch`,
+        on every rank as often as on the others."""
+        module = module.to(device=device)
+        return module.to(dtype=dtype) if dtype is not None else module
 
     @staticmethod
     def frozen_names(module: nn.Module) -> set[str]:

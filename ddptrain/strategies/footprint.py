@@ -102,3 +102,5 @@ class Footprint:
     """Buffers of the strategy's own: ZeRO's fp32 partition and buckets, FSDP's gathered units."""
     collectives: list[Collective] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    frozen_copy_shards: int = 1
+    """Ranks a frozen copy of the weights (DPO's reference: Strategy.hold_frozen) is split over."""

@@ -20,6 +20,7 @@ gradient; with `save_frozen` False checkpoints leave them out (DCP's `ignore_fro
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from typing import ContextManager
 
@@ -90,7 +91,8 @@ class FSDPStrategy(Strategy):
                                     counts.parameters * gather_b, accumulation, shards, level))
         comms.append(Collective("gradient reduce-scatter", "reduce_scatter", trained, 1, shards, level))
         return Footprint(name, label, counts.parameters * b / shards, grads,
-                         layout.optimizer_state_bytes(trained) / shards, gathered, comms, notes)
+                         layout.optimizer_state_bytes(trained) / shards, gathered, comms, notes,
+                         frozen_copy_shards=shards)
 
     def __init__(self, reshard_after_forward: bool = True, shard_modules: list | tuple = (), replicate: int | str = 1):
         self.reshard_after_forward = reshard_after_forward
@@ -111,13 +113,9 @@ class FSDPStrategy(Strategy):
         if replicas > 1:
             log.info("fsdp: HSDP mesh of %d replicas x %d shards (sharded within a replica, replicated across)",
                      replicas, get_world_size() // replicas)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.precision == "bf16" else MixedPrecisionPolicy()
         by_name = {id(param): name for name, param in model.named_parameters()}
-        for module in list(model.modules())[1:]:
-            if type(module).__name__ in names:
-                fully_shard(module, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
-        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        self.mesh = mesh
+        self._shard(model, names, self.reshard_after_forward)
         for module in model.modules():  # SUM over ranks: the losses are already pieces of the global mean
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)  # per module: the setter does not recurse
@@ -134,7 +132,46 @@ class FSDPStrategy(Strategy):
                 group["fused"] = False
         self.model = model
         self.optimizer = optimizer
-        self.mesh = mesh
+
+    def _shard(self, model: nn.Module, unit_names: set[str], reshard_after_forward: bool) -> None:
+        """fully_shard each unit of `model`, then its root, over this strategy's mesh."""
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.precision == "bf16" else MixedPrecisionPolicy()
+        for module in list(model.modules())[1:]:
+            if type(module).__name__ in unit_names:
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+
+    @classmethod
+    def frozen_copy(cls, model: nn.Module) -> nn.Module:
+        """The copy's structure, its parameters on the meta device (no memory; buffers copied):
+        `hold_frozen` fills this rank's shards from the model's, so no rank ever holds a whole copy."""
+        memo = {id(param): nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+                for param in model.parameters()}  # deepcopy takes these for the parameters (ties kept)
+        reference = copy.deepcopy(model, memo)
+        return reference.requires_grad_(False)  # eval() once materialized: transformers' eval() refuses meta
+
+    def hold_frozen(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+        """Sharded as the model is (the same units, mesh and mixed precision), each unit gathered for
+        its forward and freed after it (reshard_after_forward), whatever the model's setting. Its
+        shards are copies of the model's own (taken before the first step: the initial weights), so
+        `module` is `frozen_copy`'s skeleton of the same model."""
+        if dtype is not None:
+            module = module.to(dtype=dtype)
+        self._shard(module, self.shard_unit_names(module), reshard_after_forward=True)
+        module.to_empty(device=device)
+        policy = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                mine, theirs = self.local_tensor(param), self.local_tensor(policy[name])
+                if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+                    raise RuntimeError(f"fsdp: the frozen copy's shard of {name} is {tuple(mine.shape)} "
+                                       f"{mine.dtype}, the model's {tuple(theirs.shape)} {theirs.dtype}")
+                mine.copy_(theirs)
+            for name, buffer in module.named_buffers():
+                buffer.copy_(buffers[name])
+        return module.eval()
 
     def shard_unit_names(self, model: nn.Module) -> set[str]:
         """The class names sharded as units: strategy.shard_modules, else the model's blocks. A name

@@ -292,7 +292,7 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
         prepare(model)
     optimizer, scheduler = optimizer_and_schedule(cfg, model)
     # DPO's reference: the LoRA base (the adapter disabled), else the initial weights, copied before training.
-    frozen = frozen_copy(model) if cfg.objective.name == "dpo" and not is_adapted(model) else None
+    frozen = frozen_copy(model, cfg.strategy.name) if cfg.objective.name == "dpo" and not is_adapted(model) else None
     engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
                     precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
                     device=run_device, objective=objective_of(cfg),

@@ -1,18 +1,28 @@
-"""Model FLOPs of the GPT and the peak FLOP/s of known accelerators, for throughput and MFU.
+"""Model FLOPs of a decoder and the peak FLOP/s of a device, for throughput and MFU.
 
 Model FLOPs per token, forward + backward (the PaLM paper's appendix B, nanoGPT's `estimate_mfu`):
 
-    6 * N  +  12 * n_layer * n_embd * T
+    6 * N  -  2 * N_frozen  +  12 * n_layer * n_embd * T
 
 N counts the parameters that take part in a matmul: every parameter except the learned position
 embedding (a lookup, no multiply). The token embedding stays in N because it is tied to the LM
-head, whose matmul costs 2 * n_embd * vocab per token forward. The attention term counts the
-QK^T and AV products over the full T x T square (no discount for the causal mask), as PaLM does.
-Norms, softmax, GELU and the loss are not counted (a few percent at most for small models).
+head, whose matmul costs 2 * n_embd * vocab per token forward. Each matmul parameter costs 2 FLOPs
+forward, 2 for the input's gradient and 2 for its own gradient; a frozen one (N_frozen: LoRA's base
+weights) gets no weight gradient, 4 in all. LoRA's adapters are parameters like any other: A and B
+(r x in, out x r) cost 6 x their size, which is exactly their two low-rank matmuls, forward and
+backward. The attention term counts the QK^T and AV products over the full T x T square (no
+discount for the causal mask), as PaLM does. Norms, softmax, GELU and the loss are not counted (a
+few percent at most for small models). Under LoRA the first block's input projections read the
+frozen embedding, whose output needs no gradient: their input gradient is counted though not
+computed (2 x one block's q, k, v per token, under 1% of a model with more than a few blocks).
 
 With the chunked head (trainer.chunked_head) the head's matmul runs on the valid targets only, and
-twice forward (its logits are recomputed in backward): 6 * (N - head) per processed token plus
-8 * n_embd * vocab per valid target, what is computed.
+twice forward (its logits are recomputed in backward): (6 * N - 2 * N_frozen) without the head per
+processed token plus 8 * n_embd * vocab per valid target (6 for a frozen head), what is computed.
+
+The peak: a table of accelerators (`PEAK_FLOPS`), else (logger.peak_flops=auto: a CPU, an unknown
+GPU, fp64) measured at start-up by `probe_peak_flops`: a few square matmuls at the run's dtype and
+thread count, the fastest one's rate.
 
 MFU = achieved model FLOP/s / (peak FLOP/s per device x devices). It counts the tokens a
 microbatch processes, padding included: the hardware computes them. Padding waste shows up
@@ -21,12 +31,18 @@ separately as `padding_efficiency` (and positions without a valid target as `val
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
+from ddptrain.config.choices import PRECISION_DTYPES
 from ddptrain.models.kernel_check import fp32_matmuls_in_tf32
+
+log = logging.getLogger(__name__)
 
 # Dense (not 2:4 sparse) peak FLOP/s per device from the vendors' data sheets. "tf32" is the
 # tensor-core rate an fp32 matmul gets when torch allows TF32; "fp32" is the plain CUDA-core
@@ -65,26 +81,81 @@ def lookup_peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def device_peak_flops(device: torch.device, precision: str, override: float | None = None) -> float | None:
-    """The peak FLOP/s that MFU divides by: `override` if given, else the table; None on CPU.
+def device_peak_flops(device: torch.device, precision: str, setting: float | str | None = "auto") -> float | None:
+    """The peak FLOP/s that MFU divides by, per logger.peak_flops (`setting`): a number as given;
+    null: none (no MFU); auto: the table, else measured by `probe_peak_flops` (a CPU, a GPU the
+    table does not know, fp64).
 
     An fp32 run on a GPU counts the TF32 rate when torch lets matmuls use TF32
     (torch.set_float32_matmul_precision("high") or allow_tf32), the plain fp32 rate otherwise.
     """
-    if override is not None:
-        return float(override)
-    if device.type != "cuda":
+    if setting is None:
         return None
-    if precision == "fp32" and fp32_matmuls_in_tf32(device):
-        precision = "tf32"
-    if precision not in ("bf16", "fp32", "tf32"):
-        return None  # fp64: not in the table; set logger.peak_flops
-    return lookup_peak_flops(torch.cuda.get_device_name(device), precision)
+    if setting != "auto":
+        return float(setting)
+    if device.type == "cuda":
+        rate = precision
+        if precision == "fp32" and fp32_matmuls_in_tf32(device):
+            rate = "tf32"
+        known = lookup_peak_flops(torch.cuda.get_device_name(device), rate) if rate in ("bf16", "fp32", "tf32") \
+            else None
+        if known is not None:
+            return known
+    probe = probe_peak_flops(device, precision)
+    log.info("peak FLOP/s measured: %.3g (the fastest of %d %s %dx%d matmuls on %s%s, %.2f s; "
+             "logger.peak_flops=<FLOP/s> skips this)", probe.flops_per_second, probe.matmuls, precision,
+             PROBE_SIZE, PROBE_SIZE, device.type,
+             f", {torch.get_num_threads()} threads" if device.type == "cpu" else "", probe.seconds)
+    return probe.flops_per_second
+
+
+PROBE_SIZE = 512
+"""The probe's matmuls are PROBE_SIZE square (2 x 512^3 = 268 MFLOP each): large enough for a BLAS
+to reach its full rate on a CPU core, small enough that one takes well under the budget."""
+PROBE_BUDGET_S = 0.2
+"""The probe stops starting matmuls once this many seconds have passed (it runs at least two)."""
+PROBE_MAX_MATMULS = 32
+"""And after this many, whatever the time (a fast GPU is done in milliseconds)."""
+
+
+@dataclass(frozen=True)
+class PeakProbe:
+    """What `probe_peak_flops` measured."""
+
+    flops_per_second: float
+    """The fastest matmul's rate (2 n^3 / its seconds): the device's peak at this dtype and thread count."""
+    matmuls: int
+    """Matmuls run, the first (warm-up: kernel selection, first touch of memory) included."""
+    seconds: float
+    """The probe's own time, by `clock`."""
+
+
+def probe_peak_flops(device: torch.device, precision: str, budget_s: float = PROBE_BUDGET_S,
+                     clock: Callable[[], float] = time.perf_counter) -> PeakProbe:
+    """The peak matmul FLOP/s of `device` in `precision`, with this process's torch threads: square
+    PROBE_SIZE matmuls in the dtype the run's matmuls use (bf16 and fp16: autocast's), one after
+    another until `budget_s` has passed (at least two, at most PROBE_MAX_MATMULS); the fastest one's
+    rate. A peak, not an average: a shared machine's slow moments do not lower it."""
+    dtype = getattr(torch, PRECISION_DTYPES[precision])
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(PROBE_SIZE, PROBE_SIZE, generator=generator).to(device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fastest, matmuls = float("inf"), 0
+    started = clock()
+    while matmuls < PROBE_MAX_MATMULS and (matmuls < 2 or clock() - started < budget_s):
+        sync()
+        begin = clock()
+        torch.mm(a, b)
+        sync()
+        if matmuls:  # the first one warms up
+            fastest = min(fastest, clock() - begin)
+        matmuls += 1
+    return PeakProbe(2.0 * PROBE_SIZE**3 / max(fastest, 1e-12), matmuls, clock() - started)
 
 
 @dataclass(frozen=True)
 class ModelFlops:
-    """FLOPs per token of a decoder: 6 * matmul_params + 12 * n_layer * n_embd * T."""
+    """FLOPs per token of a decoder: 6 * matmul_params - 2 * frozen_params + 12 * n_layer * n_embd * T."""
 
     matmul_params: int
     n_layer: int
@@ -93,30 +164,39 @@ class ModelFlops:
     """The output head's matmul parameters (n_embd x vocab), part of matmul_params."""
     chunked_head: bool = False
     """The head runs on valid targets only, its forward twice (`per_valid_target`)."""
+    frozen_params: int = 0
+    """Matmul parameters that get no weight gradient (LoRA's base), part of matmul_params."""
+    head_frozen: bool = False
+    """The head is frozen (its parameters are in frozen_params)."""
 
     def per_token(self, seq_len: int) -> float:
         """Forward + backward FLOPs of one token in a sequence of `seq_len` positions (all of the head)."""
-        return 6.0 * self.matmul_params + 12.0 * self.n_layer * self.n_embd * seq_len
+        return 6.0 * self.matmul_params - 2.0 * self.frozen_params + 12.0 * self.n_layer * self.n_embd * seq_len
+
+    def _head_per_position(self) -> float:
+        """The head's FLOPs per position it runs on, forward + backward: 6 x its size, 4 frozen."""
+        return (4.0 if self.head_frozen else 6.0) * self.head_params
 
     def per_microbatch(self, rows: int, seq_len: int) -> float:
         """What a microbatch's processed positions cost; with the chunked head, without the head."""
-        head = 6.0 * self.head_params if self.chunked_head else 0.0
+        head = self._head_per_position() if self.chunked_head else 0.0
         return rows * seq_len * (self.per_token(seq_len) - head)
 
     def per_valid_target(self) -> float:
-        """The chunked head's FLOPs per valid target: forward, its recompute and backward (2 + 2 + 4)."""
-        return 8.0 * self.head_params if self.chunked_head else 0.0
+        """The chunked head's FLOPs per valid target: the above plus its forward's recompute (2 x its size)."""
+        return self._head_per_position() + 2.0 * self.head_params if self.chunked_head else 0.0
 
     @classmethod
     def of_gpt(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops":
         """From a ddptrain GPT: all parameters but the position embedding (tied weights once)."""
-        matmul_params = model.num_parameters() - model.pos_emb.weight.numel()
-        return cls(matmul_params, model.cfg.n_layer, model.cfg.n_embd, model.head.weight.numel(), chunked_head)
+        matmul = [p for name, p in model.named_parameters() if name != "pos_emb.weight"]
+        return cls(sum(p.numel() for p in matmul), model.cfg.n_layer, model.cfg.n_embd, model.head.weight.numel(),
+                   chunked_head, _frozen(matmul), not model.head.weight.requires_grad)
 
     @classmethod
     def of_module(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops | None":
-        """The built-in GPT, or a transformers decoder (from its config); None for other modules.
-        `chunked_head`: the engine runs the head on valid targets only (Engine.chunked_head)."""
+        """The built-in GPT, or a transformers decoder (from its config; a peft model's too); None for
+        other modules. `chunked_head`: the engine runs the head on valid targets only (Engine.chunked_head)."""
         if hasattr(model, "pos_emb") and hasattr(model, "cfg"):
             return cls.of_gpt(model, chunked_head)
         config = getattr(model, "config", None)
@@ -127,10 +207,16 @@ class ModelFlops:
         embeddings = model.get_input_embeddings().weight
         output = model.get_output_embeddings()
         tied = output is not None and output.weight is embeddings
-        # The input embedding is a lookup, not a matmul; a tied one is counted once, as the head.
-        params = sum(p.numel() for p in model.parameters()) - (0 if tied else embeddings.numel())
         position = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
+        # The input embedding is a lookup, not a matmul; a tied one is counted once, as the head.
+        lookups = {id(embeddings)} if not tied else set()
         if position is not None:
-            params -= position.weight.numel()
-        return cls(params, int(layers), int(width), output.weight.numel() if output is not None else 0, chunked_head)
+            lookups.add(id(position.weight))
+        matmul = [p for p in model.parameters() if id(p) not in lookups]
+        head_frozen = output is not None and not output.weight.requires_grad
+        return cls(sum(p.numel() for p in matmul), int(layers), int(width),
+                   output.weight.numel() if output is not None else 0, chunked_head, _frozen(matmul), head_frozen)
 
+
+def _frozen(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params if not p.requires_grad)

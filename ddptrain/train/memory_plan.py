@@ -186,7 +186,7 @@ def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: i
 def plan_strategies(counts: ModelCounts, layout: Layout) -> list[StrategyPlan]:
     """Every registered strategy's plan (each one's `memory_per_rank`) for this model and layout."""
     plans = [StrategyPlan(**{f.name: getattr(rank, f.name) for f in fields(rank)}, activations=counts.activations,
-                          reference=counts.reference_bytes)
+                          reference=counts.reference_bytes / rank.frozen_copy_shards)
              for name in STRATEGY_NAMES for rank in strategy_class(name).memory_per_rank(counts, layout)]
     for plan in plans:
         plan.collectives = [c for c in plan.collectives if c.ranks > 1]  # FSDP skips a one-rank call too
@@ -329,14 +329,16 @@ def plan_for_config(cfg: TrainConfig, world_size: int,
 
 def plan_reference(counts: ModelCounts, layout: Layout, adapted: bool, precomputed: bool, micro_pairs: int,
                    micro_tokens: int | None) -> None:
-    """objective=dpo's part of the plan: the frozen reference copy a full fine-tune holds (whole, on
-    every rank: no strategy shards it), and the note that says what was counted."""
+    """objective=dpo's part of the plan: the frozen reference copy a full fine-tune holds (whole; each
+    strategy's plan divides it by the ranks that shard it: Footprint.frozen_copy_shards), and the note
+    that says what was counted."""
     held = not adapted and not precomputed
     counts.reference_bytes = counts.parameters * layout.bytes_per_value if held else 0.0
     rows = (f"{layout.micro_batch_size} rows of seq_len hold micro_tokens={micro_tokens} positions of pairs"
             if micro_tokens is not None else
             f"{micro_pairs} pair(s) per microbatch are {layout.micro_batch_size} rows (chosen and rejected)")
-    reference = ("the reference is the frozen copy of the weights, held whole by every rank (the reference column)"
+    reference = ("the reference is the frozen copy of the weights, sharded as fsdp shards the policy, whole on every rank "
+                 "otherwise (the reference column)"
                  if held else "the reference's log-probs are precomputed (no copy of the weights is kept)"
                  if precomputed else "the reference is the base with the LoRA adapter disabled (no copy)")
     counts.objective_note = f"objective=dpo: {rows}; {reference}"

@@ -6,8 +6,10 @@ PairTargets; this fills them in, without gradients, for every microbatch of the 
 - LoRA (model.lora.r > 0): the policy itself with its adapter disabled (peft's `disable_adapter`),
   called through the strategy's wrapper: the frozen base weights, no second copy in memory.
 - full fine-tuning: a frozen copy of the initial weights, taken before the strategy wraps the
-  policy, on every rank (ddp, zero1, zero2 replicate the weights too: the copy costs what one more
-  replica of the weights costs; under fsdp and zero3 it is not sharded, see docs/preference.md).
+  policy and held as the strategy holds weights (`Strategy.frozen_copy`, `Strategy.hold_frozen`):
+  whole on every rank under ddp, zero1 and zero2 (one more replica of the weights), sharded like
+  the policy under fsdp (each rank holds its shards, gathered unit by unit in the reference's
+  forward); under zero3 still whole (see docs/preference.md).
 
 With objective.precompute_reference=true they are computed once before step 1 instead, for every
 pair of both splits (spread over the ranks, summed), and kept in the data cache under a key of the
@@ -27,7 +29,6 @@ the head on the valid targets only), in float64.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import logging
@@ -39,6 +40,7 @@ import numpy as np
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
 from ddptrain.contract.pairs import PairTargets
@@ -48,16 +50,16 @@ from ddptrain.distributed import DistInfo, all_reduce_sum, any_rank, barrier
 from ddptrain.engine.engine import AUTOCAST, Engine, filler_inputs
 from ddptrain.engine.preference import PairHeadLoss, sequence_logps
 from ddptrain.models.lora import is_adapted
+from ddptrain.strategies import strategy_class
 
 
 log = logging.getLogger(__name__)
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model`'s current weights that never trains (the full fine-tune's reference)."""
-    reference = copy.deepcopy(model)
-    reference.requires_grad_(False)
-    return reference.eval()
+def frozen_copy(model: nn.Module, strategy: str = "ddp") -> nn.Module:
+    """A copy of `model`'s current weights that never trains (the full fine-tune's reference), as
+    `strategy` takes it before it wraps the model (fsdp: a skeleton its shards are filled into)."""
+    return strategy_class(strategy).frozen_copy(model)
 
 
 class Reference:
@@ -71,9 +73,8 @@ class Reference:
             raise ValueError(f"{type(policy).__name__} has no LoRA adapter to disable: give a frozen copy of the "
                              "initial weights as the reference (full fine-tuning)")
         self.engine = engine
-        self.model = policy if frozen is None else frozen.to(device=engine.device)
-        if frozen is not None and engine.precision == "fp64":
-            self.model = self.model.to(dtype=torch.float64)
+        dtype = torch.float64 if engine.precision == "fp64" else None
+        self.model = policy if frozen is None else engine.strategy.hold_frozen(frozen, engine.device, dtype)
         self.disables_adapter = frozen is None
         self.uses_head_loss = engine.chunked_head and takes_head_loss(self.model)
         self._weights: str | None = None
@@ -143,6 +144,7 @@ def weights_fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters()):
         if "lora_" not in name:
+            param = param.full_tensor() if isinstance(param, DTensor) else param  # sharded (fsdp): collective
             digest.update(name.encode() + param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 

@@ -47,7 +47,7 @@ def test_metrics_lines_carry_every_field(tiny_run):
                     "mfu", "padding_efficiency", "peak_memory_bytes", "step_time_s", "skipped_steps", *TIME_SPLIT):
             assert key in m, key
         assert m["tokens"] > 0 and m["tokens_per_second"] > 0 and m["flops_per_second"] > 0
-        assert m["mfu"] is None, "no peak FLOP/s is known for a CPU"
+        assert m["mfu"] > 0, "a CPU's peak FLOP/s is measured at start-up (logger.peak_flops=auto)"
         assert 0 < m["padding_efficiency"] <= 1
         assert m["peak_memory_bytes"] > 10 * 2**20, "peak RSS of a torch process"
         assert all(m[key] >= 0 for key in TIME_SPLIT)
@@ -126,6 +126,58 @@ def test_chunked_head_flops_match_torch_flop_counter():
     assert counted < 0.9 * full, "half the targets ignored: the head's share of the FLOPs is smaller"
 
 
+def _tiny_llama(lora: bool, tmp_path: Path):
+    """A tiny tied-head Llama (SmolLM2's shape, shrunk), under an all-linear LoRA adapter or whole."""
+    transformers = pytest.importorskip("transformers")
+    from ddptrain.models import hf
+
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if lora:
+        pytest.importorskip("peft")
+        from ddptrain.models import lora as lora_module
+
+        model = lora_module.wrap(model, {"r": 8, "alpha": 16.0}, tmp_path)
+    hf.give_head_loss(model)
+    return model
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_lora_and_full_fine_tuning_flops_match_torch_flop_counter(tmp_path, lora):
+    """What is computed: under LoRA the frozen base weights get no weight gradient (4 x N, not 6 x N)
+    and the adapters cost 6 x theirs; torch's FLOP counter over a real forward + backward agrees,
+    with the full logits and with the chunked head (a third of the targets ignored)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddptrain.engine.chunked import HeadLoss
+
+    model = _tiny_llama(lora, tmp_path)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    rows, seq_len = 2, 48
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, 1024, (rows, seq_len), generator=generator)
+    targets = torch.randint(0, 1024, (rows, seq_len), generator=generator)
+    targets[:, ::3] = -100
+    valid = int((targets != -100).sum())
+    for chunked_head in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            if chunked_head:
+                model(input_ids=inputs, head_loss=HeadLoss(targets, chunk_tokens=16)).backward()
+            else:
+                model(input_ids=inputs).logits.sum().backward()
+        flops = ModelFlops.of_module(model, chunked_head)
+        assert (flops.frozen_params, flops.head_frozen) == ((frozen, True) if lora else (0, False))
+        counted = flops.per_microbatch(rows, seq_len) + flops.per_valid_target() * valid
+        print(f"chunked head {chunked_head}: counted {counted:.4g}, torch's counter {counter.get_total_flops():.4g} "
+              f"({counted / counter.get_total_flops() - 1:+.2%})")
+        # The rest: the rotary embedding's small matmul, and under LoRA the first block's q, k, v
+        # input gradient (their input comes from the frozen embedding), counted but not computed.
+        assert counted == pytest.approx(counter.get_total_flops(), rel=0.03)
+
+
 def test_logged_flops_per_second_match_the_hand_count_for_the_default_model(tmp_path):
     """flops_per_second / processed tokens per second = FLOPs per token of the default model."""
     seq_len = 256
@@ -155,8 +207,49 @@ def test_peak_flops_table_and_override():
     assert lookup_peak_flops("Tesla V100-SXM2-32GB", "bf16") is None
     assert lookup_peak_flops("AMD Instinct MI300X", "bf16") == 1307.4e12
     assert lookup_peak_flops("Some Future GPU", "bf16") is None
-    assert device_peak_flops(torch.device("cpu"), "fp32") is None
-    assert device_peak_flops(torch.device("cpu"), "fp32", override=2e12) == 2e12
+    assert device_peak_flops(torch.device("cpu"), "fp32", None) is None, "null: no MFU"
+
+
+def test_the_peak_probe_runs_a_few_small_matmuls_within_its_budget():
+    """The probe's cost is set by its budget and sizes, not asserted by the clock: at most 32 matmuls
+    of 512 x 512 (268 MFLOP each), none started after 0.2 s; a clock that says 0.1 s per reading
+    stops it after the two it always runs."""
+    from ddptrain.train import flops
+
+    assert flops.PROBE_BUDGET_S <= 0.25 and flops.PROBE_SIZE == 512 and flops.PROBE_MAX_MATMULS <= 32
+    readings = iter(range(1000))
+    fake = flops.probe_peak_flops(torch.device("cpu"), "fp32", clock=lambda: 0.1 * next(readings))
+    assert fake.matmuls == 2, "the warm-up and one timed matmul, then the budget is spent"
+    assert fake.flops_per_second == pytest.approx(2 * 512**3 / 0.1)
+    for precision in ("fp32", "fp64"):
+        probe = flops.probe_peak_flops(torch.device("cpu"), precision)
+        assert 2 <= probe.matmuls <= flops.PROBE_MAX_MATMULS
+        assert probe.flops_per_second > 1e8, "any CPU that runs torch does 0.1 GFLOP/s"
+        print(f"{precision}: {probe.flops_per_second:.3g} FLOP/s, {probe.matmuls} matmuls in {probe.seconds:.3f} s")
+
+
+def test_a_given_peak_skips_the_probe_and_auto_runs_it_where_the_table_has_no_entry(monkeypatch):
+    from ddptrain.train import flops
+
+    probed = []
+    monkeypatch.setattr(flops, "probe_peak_flops",
+                        lambda device, precision: probed.append(precision) or flops.PeakProbe(3e11, 2, 0.01))
+    assert device_peak_flops(torch.device("cpu"), "fp32", 2e12) == 2e12
+    assert device_peak_flops(torch.device("cpu"), "fp32", None) is None
+    assert probed == [], "a peak given (or null) runs no probe"
+    assert device_peak_flops(torch.device("cpu"), "bf16", "auto") == 3e11
+    assert probed == ["bf16"], "at the run's precision"
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-1e12", "true"])
+def test_peak_flops_is_auto_a_positive_number_or_null(value):
+    from ddptrain.config.compose import compose_config
+    from ddptrain.config.schema import ConfigError
+    from ddptrain.config.validation import validate
+
+    with pytest.raises(ConfigError, match=r"logger.peak_flops=.* must be auto \(the device table, else a matmul "
+                                          r"probe\), FLOP/s > 0, or null"):
+        validate(compose_config([f"logger.peak_flops={value}"]), 1)
 
 
 # -- rank-0 progress in a 2-rank run ------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""DPO's frozen reference held as the strategy holds weights: sharded like the policy under fsdp,
+with the losses and rewards of the whole copy every rank held before (2 gloo ranks, fp64)."""
+
+from __future__ import annotations
+
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddptrain.testing import run_distributed
+from tests.data.chats import save_chat_tokenizer, write_jsonl
+from tests.data.pairs import random_pairs
+
+STEPS = 3
+
+
+def _data(directory: Path):
+    from ddptrain.config import DataConfig
+    from ddptrain.data import load_splits
+
+    cfg = DataConfig(name="preference", paths=[str(directory / "pairs.jsonl")],
+                     tokenizer=str(directory / "tok" / "tokenizer.json"), cache_dir=str(directory / "cache"),
+                     val_percent=0.0)
+    return load_splits(cfg, 64)
+
+
+def _run(directory: Path, strategy: str, whole: bool) -> dict:
+    """STEPS DPO steps of a tiny GPT under a token budget (ragged microbatch counts: fillers run);
+    `whole`: the reference as every rank held it before (a whole copy), else as `strategy` holds it."""
+    import torch.distributed as dist
+
+    from ddptrain.data import TrainBatches
+    from ddptrain.engine.engine import Engine
+    from ddptrain.engine.preference import DPOObjective
+    from ddptrain.models import GPT, GPTConfig
+    from ddptrain.strategies.base import Strategy
+    from ddptrain.train.reference import Reference, frozen_copy
+
+    data = _data(directory)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=data.vocab_size, n_layer=2, n_head=2, n_embd=32, max_seq_len=128))
+    frozen = Strategy.frozen_copy(model) if whole else frozen_copy(model, strategy)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.5), strategy, precision="fp64",
+                    objective=DPOObjective(0.1, "sigmoid"))
+    if whole:
+        engine.strategy.hold_frozen = types.MethodType(Strategy.hold_frozen, engine.strategy)
+    reference = Reference(engine, model, frozen)
+    batches = TrainBatches(data.train, 8, 8, seed=1, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                           seq_len=64, micro_tokens=128)
+    curve, fillers = [], 0
+    for step in range(STEPS):
+        most = max(len(micro) for micro in batches.layout(step))
+        stats = engine.step(reference.fill(batches.microbatches(step), most), max_microbatches=most)
+        curve.append((stats.loss, dict(stats.metrics)))
+        fillers += most - len(batches.microbatches(step))
+    params = list(reference.model.parameters())
+    return {"curve": curve, "fillers": fillers, "dtype": str(params[0].dtype),
+            "held": sum(Strategy.local_tensor(p).numel() for p in params), "whole": sum(p.numel() for p in params)}
+
+
+def _runs(directory: str) -> dict:
+    runs = {"ddp": ("ddp", True), "fsdp, whole copy": ("fsdp", True), "fsdp, sharded": ("fsdp", False)}
+    return {name: _run(Path(directory), *how) for name, how in runs.items()}
+
+
+@pytest.mark.slow  # one 2-rank spawn, 3 models x 3 steps
+def test_the_sharded_reference_gives_the_whole_copys_losses_and_each_rank_holds_half(tmp_path):
+    write_jsonl(tmp_path / "pairs.jsonl", random_pairs(48, seed=7))
+    save_chat_tokenizer(tmp_path / "tok")
+    _data(tmp_path)  # the data cache, once, before the ranks read it
+    ranks = run_distributed(_runs, 2, str(tmp_path))
+    assert sum(rank["fsdp, sharded"]["fillers"] for rank in ranks) > 0, "the budget must leave a rank short"
+    for rank in ranks:
+        assert rank["ddp"]["held"] == rank["fsdp, whole copy"]["held"] == rank["ddp"]["whole"]
+        sharded = rank["fsdp, sharded"]
+        assert sharded["held"] <= 0.55 * sharded["whole"], "each of 2 ranks holds its half (shards padded)"
+        assert sharded["dtype"] == "torch.float64"
+        expected = rank["fsdp, whole copy"]["curve"]
+        assert expected[-1][0] != expected[0][0], "it trained"
+        for other in ("fsdp, sharded", "ddp"):
+            for (loss, metrics), (whole_loss, whole_metrics) in zip(rank[other]["curve"], expected, strict=True):
+                assert math.isclose(loss, whole_loss, rel_tol=1e-9), (other, loss, whole_loss)
+                for key, value in metrics.items():
+                    if key != "reward_accuracy" or loss != expected[0][0]:  # step 1's rewards: 0 up to rounding
+                        assert math.isclose(value, whole_metrics[key], rel_tol=1e-9, abs_tol=1e-12), (other, key)
+
+
+def test_the_memory_plan_divides_a_frozen_copy_by_the_ranks_that_shard_it():
+    """Footprint.frozen_copy_shards: what a plan of DPO's full fine-tune divides the reference's bytes by."""
+    from ddptrain.strategies import strategy_class
+    from ddptrain.strategies.footprint import Layout, ParameterCounts
+
+    counts = ParameterCounts(parameters=1000, trainable=1000, largest_unit=100)
+    layout = Layout(world_size=4, ranks_per_node=2, replicate=2, micro_batch_size=1, seq_len=8, grad_accum_steps=1,
+                    precision="fp32", optimizer="adamw")
+    shards = {footprint.name: footprint.frozen_copy_shards
+              for name in ("ddp", "fsdp") for footprint in strategy_class(name).memory_per_rank(counts, layout)}
+    assert shards == {"ddp": 1, "fsdp": 4, "hsdp": 2}, "hsdp: sharded within a replica of 2 ranks"
