@@ -73,7 +73,8 @@ class TrainBatches:
 
     def __init__(self, examples: TokenExamples, global_batch_size: int, micro_batch_size: int,
                  seed: int, rank: int, world_size: int, micro_tokens: int | None = None,
-                 pack: bool = False, seq_len: int | None = None):
+                 pack: bool = False, seq_len: int | None = None, order: str = "bijection", plan=None):
+        """`plan`: the global batches (a MixturePlan); default GlobalBatchPlan over `examples` in `order`."""
         self.conversation_rows = None
         if pack:
             if seq_len is None:
@@ -82,10 +83,10 @@ class TrainBatches:
                 self.conversation_rows = PairRows(examples, seq_len)
             elif examples.is_conversations:  # packed per step: the same sample as unpacked
                 self.conversation_rows = ConversationRows(examples, seq_len)
-            else:
+            elif not isinstance(examples, PackedExamples):  # a mixture's sources come packed each on its own
                 examples = PackedExamples.from_examples(examples, seq_len)
         self.examples = examples
-        self.plan = GlobalBatchPlan(len(examples), global_batch_size, seed)
+        self.plan = plan if plan is not None else GlobalBatchPlan(len(examples), global_batch_size, seed, order)
         self.micro_batch_size = micro_batch_size
         self.micro_tokens = micro_tokens
         self.pack = pack
@@ -162,5 +163,11 @@ class TrainBatches:
         return [collate(ids) for ids in self.microbatch_ids(step)]
 
     def state_dict(self, step: int) -> dict:
-        return {"samples_seen": self.plan.samples_seen(step), "seed": self.plan.seed,
-                "global_batch_size": self.plan.global_batch_size}
+        """The data cursor after `step` steps: global (samples seen; a mixture's per-source positions) and
+        the epochs' order."""
+        return self.plan.state_dict(step)
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Continue from a checkpoint's cursor at `step` (its order; a mixture's per-source positions)."""
+        self.plan.load_state_dict(state, step)
+        self._layouts = ()

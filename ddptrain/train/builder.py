@@ -23,6 +23,8 @@ from ddptrain.config.layout import BatchLayout, default_packing
 from ddptrain.config.schema import ConfigError, TrainConfig
 from ddptrain.config.validation import strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
+from ddptrain.data.mixed import MixtureSplits, load_mixture, mixture_training_examples
+from ddptrain.data.mixture import MixturePlan
 from ddptrain.distributed import DistInfo, pick_device, raise_on_every_rank
 from ddptrain.engine.chunked import chunk_rows
 from ddptrain.engine.engine import Engine
@@ -83,7 +85,8 @@ def decay_steps(cfg: TrainConfig) -> int:
 def load_data(cfg: TrainConfig, dist_info: DistInfo) -> DataSplits:
     """The tokenized splits; local rank 0 of each node preprocesses into the shared cache, the others wait."""
     started = time.perf_counter()
-    data = load_splits(cfg.data, cfg.batch.seq_len, local_rank=dist_info.local_rank)
+    load = load_mixture if cfg.data.name == "mixture" else load_splits
+    data = load(cfg.data, cfg.batch.seq_len, local_rank=dist_info.local_rank)
     log.info("data: %d train documents -> %d examples (%d valid targets), %d validation examples, %.1fs",
              data.train.documents, len(data.train), data.train.valid_targets(), len(data.val),
              time.perf_counter() - started)
@@ -91,9 +94,17 @@ def load_data(cfg: TrainConfig, dist_info: DistInfo) -> DataSplits:
 
 
 def train_batches(cfg: TrainConfig, data: DataSplits, dist_info: DistInfo) -> TrainBatches:
+    """This rank's microbatches; a new run's epochs in the order data.order names (auto: the bijection; a
+    resumed run then continues in its checkpoint's order, TrainBatches.load_state_dict)."""
     batch = cfg.batch
-    return TrainBatches(data.train, batch.global_size, batch.micro_size, cfg.run.seed, dist_info.rank,
-                        dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len)
+    order = "bijection" if cfg.data.order == "auto" else cfg.data.order
+    examples, plan = data.train, None
+    if isinstance(data, MixtureSplits):
+        examples, sources = mixture_training_examples(data, batch.pack, batch.seq_len)
+        plan = MixturePlan(sources, batch.global_size, cfg.run.seed, order)
+    return TrainBatches(examples, batch.global_size, batch.micro_size, cfg.run.seed, dist_info.rank,
+                        dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len,
+                        order=order, plan=plan)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None = None, precision: str | None = None,
