@@ -73,8 +73,10 @@ class TrainBatches:
 
     def __init__(self, examples: TokenExamples, global_batch_size: int, micro_batch_size: int,
                  seed: int, rank: int, world_size: int, micro_tokens: int | None = None,
-                 pack: bool = False, seq_len: int | None = None, order: str = "bijection", plan=None):
-        """`plan`: the global batches (a MixturePlan); default GlobalBatchPlan over `examples` in `order`."""
+                 pack: bool = False, seq_len: int | None = None, order: str = "bijection", plan=None, labels=None):
+        """`plan`: the global batches (a MixturePlan); default GlobalBatchPlan over `examples` in `order`.
+        `labels(ids, targets)`: a mixture's targets with the source of each position (SourceLabels)."""
+        self.labels = labels
         self.conversation_rows = None
         if pack:
             if seq_len is None:
@@ -160,7 +162,10 @@ class TrainBatches:
 
     def microbatches(self, step: int) -> list:
         collate = self.examples.collate if self.conversation_rows is None else self.conversation_rows.collate
-        return [collate(ids) for ids in self.microbatch_ids(step)]
+        if self.labels is None:
+            return [collate(ids) for ids in self.microbatch_ids(step)]
+        return [(inputs, self.labels(ids, targets))
+                for ids, (inputs, targets) in ((ids, collate(ids)) for ids in self.microbatch_ids(step))]
 
     def state_dict(self, step: int) -> dict:
         """The data cursor after `step` steps: global (samples seen; a mixture's per-source positions) and

@@ -18,8 +18,11 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from ddptrain.config.validation import mixture_sources
+from ddptrain.contract.sourced import SourcedTargets
+from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.data.corpus import load_splits
 from ddptrain.data.dataset import DataSplits, TokenExamples
 from ddptrain.data.mixture import MixSource
@@ -73,8 +76,6 @@ class MixtureSplits(DataSplits):
     """Each source's DataSplits, in the order of data.sources."""
     settings: list = field(default_factory=list)
     """Each source's MixSourceConfig (weight, max_repeat, on_exhausted)."""
-    val_offsets: list = field(default_factory=list)
-    """Each source's first id in `val`."""
 
 
 def load_mixture(data_cfg, seq_len: int, local_rank: int | None = None) -> MixtureSplits:
@@ -87,11 +88,13 @@ def load_mixture(data_cfg, seq_len: int, local_rank: int | None = None) -> Mixtu
         settings.append(mix)
     train = combine([part.train for part in parts])
     val = combine([part.val for part in parts])
+    # What the evaluator reads to give val_loss/<source>: each source's (name, first id, examples) in `val`.
+    val.mixture_sources = [(name, int(first), len(part.val)) for name, first, part
+                           in zip(names, np.cumsum([0] + [len(part.val) for part in parts[:-1]]), parts)]
     vocab_size = max(part.vocab_size for part in parts)
     fingerprint = {"sources": {name: part.fingerprint for name, part in zip(names, parts)},
                    "documents": train.documents, "targets": train.valid_targets()}
-    return MixtureSplits(train, val, vocab_size, fingerprint, names=names, parts=parts, settings=settings,
-                         val_offsets=list(np.cumsum([0] + [len(part.val) for part in parts[:-1]])))
+    return MixtureSplits(train, val, vocab_size, fingerprint, names=names, parts=parts, settings=settings)
 
 
 def combine(parts: list):
@@ -145,3 +148,27 @@ def mixture_training_examples(splits: MixtureSplits, pack: bool, seq_len: int):
     sources = [MixSource(name, mix.weight, example_targets(part), int(offset), mix.max_repeat, mix.on_exhausted)
                for name, mix, part, offset in zip(splits.names, splits.settings, parts, offsets)]
     return combine(parts), sources
+
+
+class SourceLabels:
+    """A mixture's microbatch targets with the source of each position (SourcedTargets), from each
+    example's id: the sources' ids are consecutive ranges starting at `offsets`."""
+
+    def __init__(self, offsets: list[int], lengths: np.ndarray):
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.lengths = lengths  # (N,) of the combined examples: a conversation row's pieces are L - 1 positions
+
+    def source_of(self, ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.offsets, ids, side="right") - 1
+
+    def __call__(self, ids, targets: torch.Tensor) -> SourcedTargets:
+        """`ids`: the microbatch's example ids (a row each), or its packed rows (a list of id arrays)."""
+        if isinstance(ids, list):  # rows of whole examples laid end to end (packing.lay_out_rows)
+            sources = np.full(tuple(targets.shape), -1, dtype=np.int64)
+            for row, members in enumerate(ids):
+                widths = self.lengths[members] - 1
+                sources[row, : int(widths.sum())] = np.repeat(self.source_of(members), widths)
+        else:
+            sources = np.repeat(self.source_of(np.asarray(ids))[:, None], targets.shape[1], axis=1)
+        valid = (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # on the host: the chunked head's
+        return SourcedTargets(targets, torch.from_numpy(sources), len(self.offsets), valid)

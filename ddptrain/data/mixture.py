@@ -213,13 +213,18 @@ class MixturePlan:
 
     # -- figures and cursor --------------------------------------------------------------------
 
-    def figures(self, step: int) -> dict:
+    def figures(self, step: int, loss_sums: list[float]) -> dict:
         """mix/<source>/targets (this step), share (cumulative), epoch (passes read, fractional) and
-        exhausted, after `step` steps (step >= 1)."""
+        exhausted, after `step` steps (step >= 1); loss/<source>, its summed token losses over its
+        valid targets this step (`loss_sums`: the engine's per-source sums; one source: the loss)."""
         mix, after = self.step(step - 1), self.state_after(step)
         total = sum(after.targets)
         figures = {}
         for k, source in enumerate(self.sources):
+            if len(self.sources) == 1:
+                figures[f"loss/{source.name}"] = loss_sums[0]
+            else:
+                figures[f"loss/{source.name}"] = loss_sums[k] / mix.targets[k] if mix.targets[k] else math.nan
             figures[f"mix/{source.name}/targets"] = int(mix.targets[k])
             figures[f"mix/{source.name}/share"] = after.targets[k] / total if total else 0.0
             figures[f"mix/{source.name}/epoch"] = after.positions[k] / len(source.targets)
