@@ -83,9 +83,11 @@ class TrainBatches:
                 raise ValueError("packing needs seq_len, the length of a packed row")
             if isinstance(examples, PreferencePairs):  # whole pairs, each sequence a document
                 self.conversation_rows = PairRows(examples, seq_len)
+            elif isinstance(examples, PackedExamples):  # a mixture's sources come packed, each on its own
+                pass
             elif examples.is_conversations:  # packed per step: the same sample as unpacked
                 self.conversation_rows = ConversationRows(examples, seq_len)
-            elif not isinstance(examples, PackedExamples):  # a mixture's sources come packed each on its own
+            else:
                 examples = PackedExamples.from_examples(examples, seq_len)
         self.examples = examples
         self.plan = plan if plan is not None else GlobalBatchPlan(len(examples), global_batch_size, seed, order)

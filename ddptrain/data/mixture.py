@@ -161,7 +161,7 @@ class MixturePlan:
         for slot in range(size):
             for k, source in enumerate(sources):
                 if active[k] and used[k] == len(ahead[k]):
-                    self._exhausted(step, k, positions[k])
+                    self._exhausted(step, k, positions[k] + used[k])
                     active[k] = False
                     dropped.append(source.name)
             k = self._choose(taken, active, [int(sources[k].targets[ahead[k][used[k]]]) if active[k] else 0
