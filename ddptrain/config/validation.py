@@ -509,3 +509,37 @@ def _check_weights(specs: list) -> None:
     if not any(mix.weight > 0 for _, _, mix in specs):
         raise ConfigError("data.sources: every weight is 0 (" + ", ".join(f"{name}={mix.weight:g}" for name, _, mix
                                                                           in specs) + "): at least one must be > 0")
+
+
+def refuse_repeated_sources(overrides: list[str]) -> None:
+    """A source named twice in one `data.sources={...}` override: Hydra's dict keeps the last silently, so
+    the command line's text is read here (a YAML file refuses a duplicate key itself, when it is loaded)."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key != "data.sources":
+            continue
+        names, depth, quote, token = [], 0, "", ""
+        for char in value:
+            if quote:
+                if char == quote:
+                    quote = ""
+                else:
+                    token += char
+            elif char in "'\"":
+                quote = char
+            elif char in "{[":
+                depth += 1
+                token = ""
+            elif char in "}]":
+                depth -= 1
+            elif depth == 1 and char == ":":
+                names.append(token.strip())
+                token = ""
+            elif depth == 1 and char == ",":
+                token = ""
+            elif depth == 1:
+                token += char
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ConfigError(f"data.sources names {', '.join(repeated)} more than once: each source needs a name of "
+                              "its own (the mapping would keep only the last one)")
