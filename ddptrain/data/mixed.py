@@ -93,6 +93,7 @@ def load_mixture(data_cfg, seq_len: int, local_rank: int | None = None) -> Mixtu
                            in zip(names, np.cumsum([0] + [len(part.val) for part in parts[:-1]]), parts)]
     vocab_size = max(part.vocab_size for part in parts)
     fingerprint = {"sources": {name: part.fingerprint for name, part in zip(names, parts)},
+                   "weights": {name: mix.weight for name, mix in zip(names, settings)},
                    "documents": train.documents, "targets": train.valid_targets()}
     return MixtureSplits(train, val, vocab_size, fingerprint, names=names, parts=parts, settings=settings)
 

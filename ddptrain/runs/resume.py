@@ -83,13 +83,20 @@ def check_config(saved: dict, current: dict, defaults: dict, fingerprinted: bool
     allowed = MAY_CHANGE + (RELOCATABLE if fingerprinted else ())
     allowed += tuple(key for key, (decider, value) in SAME_SAMPLE_WHEN.items()
                      if flatten(saved).get(decider) == value == flatten(current).get(decider))
-    refused = [change for change in changes if not _may_change(change[0], allowed)]
+    refused = [change for change in changes if not _may_change(change[0], allowed) and not is_mixture_weight(change[0])]
     if refused:
         lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
         raise CheckpointError(f"the config differs from the checkpoint's in keys that cannot change on resume: {lines}."
                               " Resume with the checkpoint's values, or start a new run (another run.dir, or "
                               f"checkpoint.resume=none). Keys that may change: {', '.join(allowed)}")
     return changes
+
+
+def is_mixture_weight(key: str) -> bool:
+    """data.sources.<source>.weight: a mixture's weights may change on resume; the mix continues from
+    each source's cursor (ddptrain/data/mixture.py), and the fingerprint records the weights."""
+    parts = key.split(".")
+    return len(parts) == 4 and parts[:2] == ["data", "sources"] and parts[3] == "weight"
 
 
 def log_applied(changes: list[tuple[str, Any, Any]]) -> None:
