@@ -29,6 +29,8 @@ from ddptrain.data.dataset import TokenExamples
 from ddptrain.data.packing import ConversationRows, PackedExamples
 from ddptrain.data.preference import PairRows, PreferencePairs
 from ddptrain.data.global_batch import GlobalBatchPlan, rank_share, split_micro
+from ddptrain.data.order import LEGACY_ORDER
+from ddptrain.data.sources import DataError
 
 
 def balanced_shares(ids: np.ndarray, tokens: np.ndarray, world_size: int,
@@ -174,7 +176,12 @@ class TrainBatches:
         the epochs' order."""
         return self.plan.state_dict(step)
 
-    def load_state_dict(self, state: dict, step: int) -> None:
-        """Continue from a checkpoint's cursor at `step` (its order; a mixture's per-source positions)."""
+    def load_state_dict(self, state: dict, step: int, requested_order: str = "auto") -> None:
+        """Continue from a checkpoint's cursor at `step` (its order; a mixture's per-source positions).
+        `requested_order` (data.order) must be auto or the cursor's: a run keeps its epochs' order."""
+        saved = state.get("order", LEGACY_ORDER)
+        if requested_order not in ("auto", saved):
+            raise DataError(f"data.order={requested_order}, but the checkpoint's run draws its epochs in the {saved} "
+                            f"order; resume with data.order=auto (or {saved}), or start a new run")
         self.plan.load_state_dict(state, step)
         self._layouts = ()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddptrain.data.order import EpochStream
+from ddptrain.data.order import LEGACY_ORDER, EpochStream
 
 
 class GlobalBatchPlan:
@@ -49,7 +49,7 @@ class GlobalBatchPlan:
 
     def load_state_dict(self, state: dict, step: int) -> None:
         """The cursor of a checkpoint at `step`: its order (none recorded: the permutation)."""
-        self.use_order(state.get("order", "permutation"))
+        self.use_order(state.get("order", LEGACY_ORDER))
 
 
 def rank_share(global_ids: np.ndarray, rank: int, world_size: int) -> np.ndarray:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ddptrain.data.order import EpochStream
+from ddptrain.data.order import LEGACY_ORDER, EpochStream
 from ddptrain.data.sources import DataError
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class MixturePlan:
 
     def load_state_dict(self, state: dict, step: int) -> None:
         """Continue from a checkpoint's per-source cursors at `step`; a changed weight is said and applied."""
-        self.use_order(state.get("order", "permutation"))
+        self.use_order(state.get("order", LEGACY_ORDER))
         saved = state.get("sources")
         if saved is None:
             raise DataError("the checkpoint's data cursor holds no per-source positions: it was not written by a "

@@ -3,7 +3,8 @@
 A checkpoint carries the resolved config it was trained with. On resume every difference with the
 new config is either one of the keys below, applied on purpose (the learning rate and schedule,
 the length of the run, logging, evaluation, checkpointing, the layout of ranks and microbatches
-and the strategy, which the objective does not depend on: checkpoints are strategy-neutral), or
+and the strategy, which the objective does not depend on: checkpoints are strategy-neutral; data.order,
+which the checkpoint's data cursor decides and checks), or
 it is refused with the key, the old and the new value: a changed model, seed, data, global batch,
 precision or objective would silently continue another run, or fail deep inside torch. The paths of
 the inputs (RELOCATABLE) may change where the checkpoint's fingerprint guards what they hold.
@@ -25,7 +26,7 @@ MAY_CHANGE = (
     "run.dir", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_examples",
     "trainer.grad_clip", "trainer.empty_step", "trainer.nonfinite", "optim.lr", "optim.schedule",
     "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps", "batch.micro_size", "batch.micro_tokens",
-    "data.cache_dir", "logger", "checkpoint", "dist", "strategy",
+    "data.cache_dir", "data.order", "logger", "checkpoint", "dist", "strategy",
 )
 """Keys (or whole sections) that may differ from the checkpoint's config. The world size is not in
 the config: it may change too."""
