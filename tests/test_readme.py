@@ -44,6 +44,9 @@ COMMANDS = {
     "data.vocab_size=50304": "tests/data/test_sources.py::test_each_source_trains_through_the_cli",
     "python -m ddptrain data=hf 'data.paths=[my_saved_dataset]' data.field=text":
         "tests/data/test_sources.py::test_each_source_trains_through_the_cli",
+    "python -m ddptrain data=mixture 'data.sources={web: {name: text, paths: [web/*.txt], weight: 0.7}, code: {name: "
+    "jsonl, paths: [code/*.jsonl], field: content, weight: 0.3}}'":
+        "tests/train/test_mixture_cli.py::test_the_readme_mixture_runs_as_written",
     "python -m ddptrain model=hf model.path=my_model data=sft 'data.paths=[chats.jsonl]'":
         "tests/data/test_sft.py::test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume",
     "python -m ddptrain model=custom model._target_=my_models.build +model.width=96 run.dir=runs/mine "
