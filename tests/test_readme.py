@@ -67,6 +67,8 @@ COMMANDS = {
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
     "python -m benchmarks.bench_data": "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
+    "python -m benchmarks.bench_mixture":
+        "tests/test_benchmarks.py::test_mixture_benchmark_prints_the_bookkeeping_beside_the_step",
     "python -m benchmarks.bench_attention [--seq-lens 256,1024,4096] [--rows 2] [--heads 4] [--head-dim 64]":
         "tests/test_benchmarks.py::test_attention_benchmark_prints_every_backend_beside_causal_sdpa",
     "python -m benchmarks.bench_attention --seq-lens 256,1024,4096 --rounds 15 --repeats 2":
