@@ -51,7 +51,7 @@ class ConcatArray:
         if isinstance(key, slice):
             part, begin, size = self._part(key.start or 0)
             local = slice((key.start or 0) - begin, (len(self) if key.stop is None else key.stop) - begin)
-            return part[local] if part is not None else np.ones(len(range(size))[local], dtype=np.uint8)
+            return part[local] if part is not None else np.ones(len(range(size)[local]), dtype=np.uint8)
         key = np.asarray(key)
         part, begin, _ = self._part(int(key.min()) if key.size else 0)
         return part[key - begin] if part is not None else np.ones(key.shape, dtype=np.uint8)

@@ -10,7 +10,8 @@ import pytest
 from ddptrain.data import TrainBatches
 from ddptrain.data.dataset import TokenExamples
 from ddptrain.data.global_batch import GlobalBatchPlan
-from ddptrain.data.mixed import combine, example_targets
+from ddptrain.contract.targets import IGNORE_INDEX
+from ddptrain.data.mixed import SourceLabels, combine, example_targets
 from ddptrain.data.mixture import MixSource, MixturePlan, SourceExhausted
 from ddptrain.data.order import Bijection, EpochStream
 from ddptrain.data.packing import PackedExamples
@@ -168,3 +169,47 @@ def test_the_order_of_runs_started_before_the_bijection_is_kept():
     assert np.array_equal(plan.global_batch(2), np.random.default_rng([5, 0]).permutation(40)[16:24])
     assert np.array_equal(plan.global_batch(5), np.random.default_rng([5, 1]).permutation(40)[0:8])
     assert GlobalBatchPlan(40, 8, seed=5).state_dict(2)["order"] == "bijection"
+
+
+def test_sources_laid_end_to_end_collate_as_each_alone_masks_included():
+    """A text source (no mask) beside conversations (a target mask): the combined examples give every
+    example the rows it gives in its own source, read from the sources' arrays in place."""
+    text = TokenExamples.from_documents([np.arange(2, 30, dtype=np.uint8), np.arange(40, 45, dtype=np.uint8)], 8)
+    tokens = np.arange(100, 120, dtype=np.uint16)
+    mask = (np.arange(20) % 3 == 0).astype(np.uint8)
+    chats = TokenExamples.whole(tokens, mask, np.array([[0, 9, int(mask[1:9].sum())], [9, 11, int(mask[10:20].sum())]]))
+    mixed = combine([text, chats])
+    assert mixed.is_conversations and len(mixed) == len(text) + 2
+    assert example_targets(mixed).tolist() == [*example_targets(text).tolist(), *example_targets(chats).tolist()]
+    for ids, part, local in (([0, 3], text, [0, 3]), ([len(text), len(text) + 1], chats, [0, 1])):
+        inputs, targets = mixed.collate(np.array(ids))
+        alone_inputs, alone_targets = part.collate(np.array(local))
+        assert inputs.tolist() == alone_inputs.tolist() and targets.tolist() == alone_targets.tolist()
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_each_position_is_labelled_with_its_source_in_rows_and_in_packed_conversation_rows(pack):
+    rng = np.random.default_rng(3)
+    text = _source_examples(rng, 12, 30, 8)
+    tokens = rng.integers(0, 200, size=60).astype(np.uint16)
+    mask = (rng.random(60) < 0.5).astype(np.uint8)
+    spans = np.array([[start, 6, int(mask[start + 1 : start + 6].sum())] for start in range(0, 60, 6)])
+    chats = TokenExamples.whole(tokens, mask, spans)
+    parts = [text, chats]
+    mixed = combine(parts)
+    offsets = [0, len(text)]
+    plan = MixturePlan([MixSource("text", 1.0, example_targets(text), 0),
+                        MixSource("chats", 2.0, example_targets(chats), len(text))], 6, seed=4)
+    for rank in range(2):
+        batches = TrainBatches(mixed, 6, 2, 4, rank, 2, pack=pack, seq_len=8, plan=plan,
+                               labels=SourceLabels(offsets, mixed.lengths))
+        for step in range(4):
+            counts = np.zeros(2, dtype=np.int64)
+            for other in range(2):  # every rank's share of the step
+                batches.rank = other
+                for _, targets in batches.microbatches(step):
+                    valid = targets.tokens != IGNORE_INDEX
+                    assert (targets.sources[valid] >= 0).all()
+                    counts += np.bincount(targets.sources[valid].numpy(), minlength=2)
+                    assert targets.valid_positions.tolist() == valid.reshape(-1).nonzero().squeeze(1).tolist()
+            assert counts.tolist() == plan.step(step).targets.tolist()
