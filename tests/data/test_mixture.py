@@ -4,6 +4,8 @@ the epoch order as a seeded bijection."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -140,7 +142,7 @@ def test_a_weight_change_on_resume_continues_from_the_cursors():
     changed = MixturePlan([MixSource("a", 3.0, np.full(50, 1), 0), MixSource("b", 1.0, np.full(50, 1), 50)], 10, 2)
     changed.load_state_dict(state, 3)
     ids = changed.global_batch(3)
-    a_stream = EpochStream(50, [2, __import__("zlib").crc32(b"a")]).ids(15, 20)
+    a_stream = EpochStream(50, [2, zlib.crc32(b"a")]).ids(15, 20)
     taken_a = ids[ids < 50]
     assert np.array_equal(taken_a, a_stream[: len(taken_a)])  # a's stream goes on where it stopped
     assert len(taken_a) == 10  # 15 + 10 = 25 of 40 first; the share climbs toward 3/4 from the cursors
