@@ -13,10 +13,12 @@ if __name__ == "__main__":  # `python -m` / `torchrun -m ddptrain`; see _start_c
     gc.disable()
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 import torch._dynamo  # noqa: F401  (torch.optim's first call imports it anyway: here, while gc pauses)
 
 from ddptrain.config.compose import CONFIG_PATH, register_configs
 from ddptrain.config.schema import ConfigError, TrainConfig
+from ddptrain.config.validation import refuse_repeated_sources
 from ddptrain.data import DataError
 from ddptrain.distributed import (destroy_distributed, env_world_size, init_distributed, set_parent_death_signal,
                                   setup_logging)
@@ -63,6 +65,8 @@ def _exit_with_the_other_ranks(code: int) -> None:
 def train(cfg: TrainConfig) -> None:
     setup_logging()
     try:
+        if HydraConfig.initialized():  # the command line's text: what the composed mapping cannot show
+            refuse_repeated_sources(list(HydraConfig.get().overrides.task))
         validate_run(cfg, env_world_size())  # before the process group: fails fast on every rank
     except ConfigError as error:
         logging.getLogger("ddptrain").error("config error: %s", error)

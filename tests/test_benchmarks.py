@@ -37,6 +37,14 @@ def test_padding_benchmark_compares_the_three_layouts():
         assert f"\n{layout} " in out, out
 
 
+def test_mixture_benchmark_prints_the_bookkeeping_beside_the_step():
+    out = _run("benchmarks.bench_mixture", "--sources", "3", "--examples", "1000", "--global-batch", "4",
+               "--micro-size", "2", "--seq-len", "16", "--steps", "3", "--train-steps", "1")
+    assert out.startswith("benchmarks.bench_mixture: 3 sources x 1,000 examples"), out
+    for row in ("mixture bookkeeping", "plain plan", "default run step", "bookkeeping / step:"):
+        assert row in out, out
+
+
 def test_memory_benchmark_compares_ddp_and_zero1():
     import_deepspeed()
     out = _run("benchmarks.bench_memory", "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--strategies",

@@ -44,6 +44,9 @@ COMMANDS = {
     "data.vocab_size=50304": "tests/data/test_sources.py::test_each_source_trains_through_the_cli",
     "python -m ddptrain data=hf 'data.paths=[my_saved_dataset]' data.field=text":
         "tests/data/test_sources.py::test_each_source_trains_through_the_cli",
+    "python -m ddptrain data=mixture 'data.sources={web: {name: text, paths: [web/*.txt], weight: 0.7}, code: {name: "
+    "jsonl, paths: [code/*.jsonl], field: content, weight: 0.3}}'":
+        "tests/train/test_mixture_cli.py::test_the_readme_mixture_runs_as_written",
     "python -m ddptrain model=hf model.path=my_model data=sft 'data.paths=[chats.jsonl]'":
         "tests/data/test_sft.py::test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume",
     "python -m ddptrain model=custom model._target_=my_models.build +model.width=96 run.dir=runs/mine "
@@ -64,6 +67,8 @@ COMMANDS = {
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
     "python -m benchmarks.bench_data": "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
+    "python -m benchmarks.bench_mixture":
+        "tests/test_benchmarks.py::test_mixture_benchmark_prints_the_bookkeeping_beside_the_step",
     "python -m benchmarks.bench_attention [--seq-lens 256,1024,4096] [--rows 2] [--heads 4] [--head-dim 64]":
         "tests/test_benchmarks.py::test_attention_benchmark_prints_every_backend_beside_causal_sdpa",
     "python -m benchmarks.bench_attention --seq-lens 256,1024,4096 --rounds 15 --repeats 2":

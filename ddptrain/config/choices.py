@@ -47,8 +47,14 @@ def attention_refusal(backend: str, device_type: str, precision: str) -> str | N
                 f"{' | '.join(precisions)} ({why}); this run has {device_type} and {precision}: use "
                 "trainer.attention=auto, gather or mask")
     return None
-DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf", "sft", "preference")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf", "sft", "preference", "mixture")
 """data.name"""
+MIX_KINDS = ("text", "jsonl", "tokens", "hf", "sft", "preference")
+"""data.sources.<source>.name (data=mixture): the kinds a source may be; pairs (preference) mix only with pairs."""
+ON_EXHAUSTED = ("error", "renormalize")
+"""data.sources.<source>.on_exhausted: past its max_repeat, stop the run naming it | drop it, the others in proportion."""
+DATA_ORDERS = ("auto", "bijection", "permutation")
+"""data.order: an epoch's order; auto: a seeded bijection for a new run, a resumed run's own (ddptrain/data/order.py)."""
 SFT_FORMATS = ("auto", "messages", "prompt_completion")
 """data.format (data=sft): TRL's conversational or prompt-completion records; auto tells them by their fields."""
 SFT_TRAIN_ON = ("all_assistant", "last_assistant")

@@ -263,6 +263,24 @@ class DataConfig:
     warned) | right (cut its end) | error."""
     chat_template: Optional[str] = None
     """sft: a Jinja chat template file (default: the tokenizer's own, chat_template.jinja or tokenizer_config.json)."""
+    sources: Any = None
+    """mixture: source name -> {name: its kind, weight, max_repeat, on_exhausted, and that kind's data.* keys}; the
+    other data.* keys apply to every source unless it sets its own (MixSourceConfig, docs/data.md)."""
+    order: str = "auto"
+    """An epoch's order: auto (a seeded bijection for a new run; a resumed run keeps its own) | bijection |
+    permutation (the materialised one of runs started before the bijection)."""
+
+
+@dataclass
+class MixSourceConfig:
+    """What a source of data=mixture sets besides its kind's data.* keys."""
+
+    weight: float = 1.0
+    """Its share of the valid target tokens: weight / sum(weights), >= 0."""
+    max_repeat: Optional[int] = None
+    """Passes over the source after its first, each in a new seeded order (null: unlimited; 0: read once)."""
+    on_exhausted: str = "error"
+    """Past max_repeat: error (stop the run at that step, naming the source) | renormalize (drop it)."""
 
 
 @dataclass

@@ -22,8 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 from ddptrain.config import choices
 from ddptrain.config.evaluation import validate_evaluation
 from ddptrain.config.layout import BatchLayout, rows_vary
-from ddptrain.config.schema import (MODEL_SCHEMAS, ConfigError, DataConfig, ObjectiveConfig, OptimConfig, TrainConfig,
-                                    WandbConfig)
+from ddptrain.config.schema import (MODEL_SCHEMAS, ConfigError, DataConfig, MixSourceConfig, ObjectiveConfig,
+                                    OptimConfig, TrainConfig, WandbConfig)
 from ddptrain.distributed import replicate_degree
 
 _CHOICES = {
@@ -40,6 +40,7 @@ _CHOICES = {
     "data.format": choices.SFT_FORMATS,
     "data.train_on": choices.SFT_TRAIN_ON,
     "data.truncation": choices.SFT_TRUNCATIONS,
+    "data.order": choices.DATA_ORDERS,
     "objective.name": choices.OBJECTIVES,
     "objective.loss_type": choices.DPO_LOSS_TYPES,
     "logger.wandb.mode": choices.WANDB_MODES,
@@ -126,6 +127,8 @@ def _validate_values(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"data.max_docs={cfg.data.max_docs!r} must be >= 2 (or null for all documents)")
     _validate_data(cfg.data)
     _refuse_data_in_run_dir(cfg.data, cfg.run.dir)
+    for _, source, _ in mixture_sources(cfg.data) if cfg.data.name == "mixture" else ():
+        _refuse_data_in_run_dir(source, cfg.run.dir)
     _refuse_unread_keys(cfg)
     peak = cfg.logger.peak_flops
     if peak not in ("auto", None) and not (isinstance(peak, (int, float)) and not isinstance(peak, bool) and peak > 0):
@@ -140,7 +143,7 @@ def _validate_values(cfg: Any, world_size: int) -> int:
         raise ConfigError(f"objective.label_smoothing={cfg.objective.label_smoothing!r} must be in [0, 1)")
     if not 0 <= cfg.objective.z_loss < math.inf:
         raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be a finite number >= 0")
-    _validate_objective(cfg.objective, cfg.data.name)
+    _validate_objective(cfg.objective, _data_kind(cfg.data))
     batch = cfg.batch
     if rows_vary(batch):
         if batch.micro_tokens is not None and batch.micro_tokens < batch.seq_len:
@@ -245,6 +248,8 @@ def _is_real(value: Any) -> bool:
 
 def _refuse_unread_keys(cfg: Any) -> None:
     for dotted, schema, decider, reading in _READ_ONLY_WHEN:
+        if dotted.startswith("data.") and cfg.data.name == "mixture":
+            continue  # they apply to the sources, each checked as its own kind (mixture_sources)
         value, decided = _plain(_get(cfg, dotted)), _plain(_get(cfg, decider))
         if decided not in reading and value != _default(schema, dotted.rsplit(".", 1)[1]):
             when = "empty" if decider == "data.val_paths" else " or ".join(reading)
@@ -358,7 +363,20 @@ def strategy_options(strategy: Any) -> dict:
     return {key: value for key, value in section.items() if key != "name"}
 
 
+def _data_kind(data: Any) -> str:
+    """data.name, or a mixture's kind where it decides a rule: preference (pairs) or mixture."""
+    if data.name == "mixture" and data.sources and all(
+            isinstance(source, (DictConfig, dict)) and source.get("name") == "preference" for source in data.sources.values()):
+        return "preference"
+    return data.name
+
+
 def _validate_data(data: Any) -> None:
+    if data.name == "mixture":
+        mixture_sources(data)
+        return
+    if data.sources:
+        raise ConfigError(f"data.sources applies to data=mixture only, not data={data.name}: pick data=mixture")
     if data.name != "stdlib" and not data.paths:
         raise ConfigError(f"data.paths is empty: data={data.name} needs files or globs, e.g. data.paths=[corpus/*.txt]")
     if data.name == "stdlib" and (data.paths or data.val_paths):
@@ -397,3 +415,133 @@ def _validate_objective(objective: Any, data_name: str) -> None:
     if not 0 < objective.beta < math.inf:
         raise ConfigError(f"objective.beta={objective.beta!r} must be a finite number > 0")
 
+
+
+# -- data=mixture --------------------------------------------------------------------------------
+
+_MIX_KEYS = tuple(f.name for f in dataclasses.fields(MixSourceConfig))
+_GLOBAL_ONLY = ("sources", "order")  # keys of the mixture, not of a source
+_SOURCE_NAME = "a name of letters, digits, '_', '-' or '.' (it names metrics: mix/<source>/share, loss/<source>)"
+
+
+def mixture_sources(data: Any) -> list[tuple[str, DictConfig, MixSourceConfig]]:
+    """(name, its data config, its mixture settings) of every source of data=mixture, in the order given:
+    each source's keys over the other data.* keys, checked as a config of its own kind. Each bad input is a
+    ConfigError naming the source and the rule."""
+    if data.paths or data.val_paths:
+        raise ConfigError("data.paths / data.val_paths are not used by data=mixture: each source has its own, "
+                          "data.sources.<source>.paths")
+    sources = data.sources
+    if not isinstance(sources, (DictConfig, dict)) or not sources:
+        raise ConfigError("data.sources is empty: data=mixture needs sources, e.g. "
+                          "'data.sources={web: {name: text, paths: [web/*.txt], weight: 0.7}, "
+                          "code: {name: jsonl, paths: [code/*.jsonl], weight: 0.3}}'")
+    shared = {key: value for key, value in _plain(data).items() if key not in ("name", *_GLOBAL_ONLY)}
+    specs = []
+    for name, source in sources.items():
+        specs.append(_mixture_source(str(name), source, shared))
+    _check_weights(specs)
+    kinds = {spec[1].name for spec in specs}
+    if "preference" in kinds and kinds != {"preference"}:
+        pairs = next(name for name, cfg, _ in specs if cfg.name == "preference")
+        other = next(name for name, cfg, _ in specs if cfg.name != "preference")
+        raise ConfigError(f"data.sources.{pairs} (name=preference) cannot mix with data.sources.{other} "
+                          f"(name={sources[other].get('name')}): preference pairs are trained with objective=dpo over "
+                          "pairs, the others with the token objective over valid targets; mix pairs only with pairs")
+    if kinds == {"preference"}:
+        raise ConfigError("data=mixture of preference sources is not supported yet: train one data=preference "
+                          "source, or mix token sources (text, jsonl, tokens, hf, sft)")
+    return specs
+
+
+def _mixture_source(name: str, source: Any, shared: dict) -> tuple[str, DictConfig, MixSourceConfig]:
+    where = f"data.sources.{name}"
+    if not name or not all(char.isalnum() or char in "_-." for char in name):
+        raise ConfigError(f"{where}: the source's name {name!r} must be {_SOURCE_NAME}")
+    if not isinstance(source, (DictConfig, dict)):
+        raise ConfigError(f"{where}={_plain(source)!r} must be a mapping: {{name: text, paths: [...], weight: 1}}")
+    source = _plain(source)
+    kind = source.get("name")
+    if kind not in choices.MIX_KINDS:
+        raise ConfigError(f"{where}.name={kind!r} must be the source's kind, one of {', '.join(choices.MIX_KINDS)}")
+    known = [key for key in _schema_keys(DataConfig) if key not in _GLOBAL_ONLY] + list(_MIX_KEYS)
+    for key in source:
+        if key not in known:
+            raise _unknown_key_error(str(key), known, f"{where}.")
+    weight = source.get("weight", 1.0)
+    if not _is_real(weight) or not math.isfinite(weight) or weight < 0:
+        raise ConfigError(f"{where}.weight={weight!r} must be a finite number >= 0 (its share of the valid targets is "
+                          "weight / sum of the weights)")
+    max_repeat = source.get("max_repeat")
+    if max_repeat is not None and (isinstance(max_repeat, bool) or not isinstance(max_repeat, int) or max_repeat < 0):
+        raise ConfigError(f"{where}.max_repeat={max_repeat!r} must be an integer >= 0 (passes after the first) or "
+                          "null (unlimited)")
+    on_exhausted = source.get("on_exhausted", "error")
+    if on_exhausted not in choices.ON_EXHAUSTED:
+        raise ConfigError(f"{where}.on_exhausted={on_exhausted!r} is not one of {', '.join(choices.ON_EXHAUSTED)}")
+    own = {key: value for key, value in source.items() if key not in _MIX_KEYS}
+    if not own.get("paths"):
+        raise ConfigError(f"{where}.paths is empty: a source needs its files or globs, e.g. {where}.paths=[corpus/*.txt]")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(DataConfig), shared, own)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{where}.{error.full_key}: {str(error).splitlines()[0]}") from None
+    for key, allowed in _CHOICES.items():
+        if key.startswith("data.") and merged[key.removeprefix("data.")] not in allowed:
+            raise ConfigError(f"{where}.{key.removeprefix('data.')}={merged[key.removeprefix('data.')]!r} is not one "
+                              f"of {', '.join(allowed)}")
+    try:
+        _validate_data(merged)
+        _refuse_unread_source_keys(merged, own, where)
+    except ConfigError as error:
+        raise ConfigError(f"{where} (name={kind}): {error}") from None
+    return name, merged, MixSourceConfig(float(weight), max_repeat, on_exhausted)
+
+
+def _refuse_unread_source_keys(merged: Any, own: dict, where: str) -> None:
+    """A key the source sets itself that its kind never reads is refused, as for data=<kind>."""
+    for dotted, _, decider, reading in _READ_ONLY_WHEN:
+        key = dotted.removeprefix("data.")
+        if dotted.startswith("data.") and decider == "data.name" and key in own and merged.name not in reading:
+            raise ConfigError(f"{where}.{key} is read only when the source's name is {' or '.join(reading)}: "
+                              "it would be ignored; leave it out")
+
+
+def _check_weights(specs: list) -> None:
+    if not any(mix.weight > 0 for _, _, mix in specs):
+        raise ConfigError("data.sources: every weight is 0 (" + ", ".join(f"{name}={mix.weight:g}" for name, _, mix
+                                                                          in specs) + "): at least one must be > 0")
+
+
+def refuse_repeated_sources(overrides: list[str]) -> None:
+    """A source named twice in one `data.sources={...}` override: Hydra's dict keeps the last silently, so
+    the command line's text is read here (a YAML file refuses a duplicate key itself, when it is loaded)."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key != "data.sources":
+            continue
+        names, depth, quote, token = [], 0, "", ""
+        for char in value:
+            if quote:
+                if char == quote:
+                    quote = ""
+                else:
+                    token += char
+            elif char in "'\"":
+                quote = char
+            elif char in "{[":
+                depth += 1
+                token = ""
+            elif char in "}]":
+                depth -= 1
+            elif depth == 1 and char == ":":
+                names.append(token.strip())
+                token = ""
+            elif depth == 1 and char == ",":
+                token = ""
+            elif depth == 1:
+                token += char
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ConfigError(f"data.sources names {', '.join(repeated)} more than once: each source needs a name of "
+                              "its own (the mapping would keep only the last one)")

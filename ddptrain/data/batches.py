@@ -29,6 +29,8 @@ from ddptrain.data.dataset import TokenExamples
 from ddptrain.data.packing import ConversationRows, PackedExamples
 from ddptrain.data.preference import PairRows, PreferencePairs
 from ddptrain.data.global_batch import GlobalBatchPlan, rank_share, split_micro
+from ddptrain.data.order import LEGACY_ORDER
+from ddptrain.data.sources import DataError
 
 
 def balanced_shares(ids: np.ndarray, tokens: np.ndarray, world_size: int,
@@ -84,19 +86,24 @@ class TrainBatches:
 
     def __init__(self, examples: TokenExamples, global_batch_size: int, micro_batch_size: int,
                  seed: int, rank: int, world_size: int, micro_tokens: int | None = None,
-                 pack: bool = False, seq_len: int | None = None):
+                 pack: bool = False, seq_len: int | None = None, order: str = "bijection", plan=None, labels=None):
+        """`plan`: the global batches (a MixturePlan); default GlobalBatchPlan over `examples` in `order`.
+        `labels(ids, targets)`: a mixture's targets with the source of each position (SourceLabels)."""
+        self.labels = labels
         self.conversation_rows = None
         if pack:
             if seq_len is None:
                 raise ValueError("packing needs seq_len, the length of a packed row")
             if isinstance(examples, PreferencePairs):  # whole pairs, each sequence a document
                 self.conversation_rows = PairRows(examples, seq_len)
+            elif isinstance(examples, PackedExamples):  # a mixture's sources come packed, each on its own
+                pass
             elif examples.is_conversations:  # packed per step: the same sample as unpacked
                 self.conversation_rows = ConversationRows(examples, seq_len)
             else:
                 examples = PackedExamples.from_examples(examples, seq_len)
         self.examples = examples
-        self.plan = GlobalBatchPlan(len(examples), global_batch_size, seed)
+        self.plan = plan if plan is not None else GlobalBatchPlan(len(examples), global_batch_size, seed, order)
         self.micro_batch_size = micro_batch_size
         self.micro_tokens = micro_tokens
         self.pack = pack
@@ -170,8 +177,22 @@ class TrainBatches:
 
     def microbatches(self, step: int) -> list:
         collate = self.examples.collate if self.conversation_rows is None else self.conversation_rows.collate
-        return [collate(ids) for ids in self.microbatch_ids(step)]
+        if self.labels is None:
+            return [collate(ids) for ids in self.microbatch_ids(step)]
+        return [(inputs, self.labels(ids, targets))
+                for ids, (inputs, targets) in ((ids, collate(ids)) for ids in self.microbatch_ids(step))]
 
     def state_dict(self, step: int) -> dict:
-        return {"samples_seen": self.plan.samples_seen(step), "seed": self.plan.seed,
-                "global_batch_size": self.plan.global_batch_size}
+        """The data cursor after `step` steps: global (samples seen; a mixture's per-source positions) and
+        the epochs' order."""
+        return self.plan.state_dict(step)
+
+    def load_state_dict(self, state: dict, step: int, requested_order: str = "auto") -> None:
+        """Continue from a checkpoint's cursor at `step` (its order; a mixture's per-source positions).
+        `requested_order` (data.order) must be auto or the cursor's: a run keeps its epochs' order."""
+        saved = state.get("order", LEGACY_ORDER)
+        if requested_order not in ("auto", saved):
+            raise DataError(f"data.order={requested_order}, but the checkpoint's run draws its epochs in the {saved} "
+                            f"order; resume with data.order=auto (or {saved}), or start a new run")
+        self.plan.load_state_dict(state, step)
+        self._layouts = ()

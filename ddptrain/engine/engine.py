@@ -208,13 +208,13 @@ class Engine:
         """Where the targets are valid, found where they were made (the host, for the trainer's
         batches: no device sync), for the chunked head; None without it, and for pairs, whose
         objective finds them itself."""
-        return valid_positions_of(targets) if self.chunked_head and not isinstance(targets, PairTargets) else None
+        return valid_positions_of(targets) if self.chunked_head and isinstance(targets, torch.Tensor) else None
 
     def _head_loss(self, targets: torch.Tensor | PairTargets, objective, valid_positions: torch.Tensor | None):
         """The head-loss callable of one microbatch: head + objective on its valid targets. Pairs'
         objectives are not sums over tokens (a pair's loss is a function of its sequences' sums), so
         they bring their own (DPOObjective.head_loss)."""
-        if isinstance(targets, PairTargets):
+        if not isinstance(targets, torch.Tensor):  # pairs, sourced targets: their objective's own
             return objective.head_loss(targets, self._chunk_tokens(targets.tokens))
         return HeadLoss(targets, objective, self._chunk_tokens(targets), valid_positions)
 

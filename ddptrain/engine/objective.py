@@ -80,6 +80,14 @@ class Objective:
         """
         if self.z_loss == 0:  # the fused library kernel does it all
             return token_loss_sum(logits, targets, self.label_smoothing)
+        return self.token_losses(logits, targets).sum()
+
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(M,) the per-token objective of every flattened position, 0 where the target is ignored: what
+        a mixture sums per source (ddptrain/engine/sourced.py)."""
+        if self.z_loss == 0:
+            return F.cross_entropy(_flat_logits(logits), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                   reduction="none", label_smoothing=self.label_smoothing)
         flat_logits = _flat_logits(logits)  # (M, V)
         flat_targets = targets.reshape(-1)  # (M,)
         is_valid = flat_targets != IGNORE_INDEX
@@ -94,7 +102,7 @@ class Objective:
             smooth = lse - flat_logits.mean(dim=-1)
             per_token = (1 - self.label_smoothing) * per_token + self.label_smoothing * smooth
         per_token = per_token + self.z_loss * lse.square()
-        return torch.where(is_valid, per_token, 0).sum()
+        return torch.where(is_valid, per_token, 0)
 
 
 def _checked_number(name: str, value, rule: str, holds) -> float:

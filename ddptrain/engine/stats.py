@@ -71,6 +71,15 @@ class StepStats:
                              for name, value in zip(self._metric_names, sums)}
         return self._metrics
 
+    @property
+    def metric_sums(self) -> list[float]:
+        """The objective's sums after the loss's, summed over ranks and not divided (a mixture's
+        per-source loss sums, which the trainer divides by the plan's per-source counts)."""
+        if self._loss_sum is None:
+            return []
+        self._reduced()
+        return self._loss_sum.reshape(-1)[1:].tolist()
+
     def _reduced(self) -> None:
         """Wait for the loss all-reduce (once)."""
         if self._wait is not None:

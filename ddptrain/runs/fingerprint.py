@@ -29,6 +29,9 @@ from ddptrain.runs.resume import config_changes, flatten
 ADDED = ("data.tokenizer_class", "data.targets", "reference.weights")
 """Keys a later ddptrain fingerprints; a checkpoint without one (an older ddptrain's) is not compared on it."""
 
+WEIGHTS = "data.weights."
+"""data=mixture's weights per source: recorded, and a change is said, not refused."""
+
 log = logging.getLogger(__name__)
 
 
@@ -47,6 +50,11 @@ def check_fingerprint(saved: dict | None, current: dict, accept_changed_data: bo
     recorded = flatten(saved)
     changes = [change for change in config_changes(saved, current, {})
                if change[0] in recorded or change[0] not in ADDED]
+    weights = [change for change in changes if change[0].startswith(WEIGHTS)]
+    changes = [change for change in changes if change not in weights]
+    if weights:  # allowed: the mix continues from each source's cursor with the new weights
+        log.info("resume: the mixture's weights changed (%s)", "; ".join(f"{key}: {old!r} -> {new!r}"
+                                                                      for key, old, new in weights))
     data = [change for change in changes if change[0].startswith("data.")]
     refused = [change for change in changes if change not in data or not accept_changed_data]
     if refused:

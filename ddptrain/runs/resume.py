@@ -3,7 +3,8 @@
 A checkpoint carries the resolved config it was trained with. On resume every difference with the
 new config is either one of the keys below, applied on purpose (the learning rate and schedule,
 the length of the run, logging, evaluation, checkpointing, the layout of ranks and microbatches
-and the strategy, which the objective does not depend on: checkpoints are strategy-neutral), or
+and the strategy, which the objective does not depend on: checkpoints are strategy-neutral; data.order,
+which the checkpoint's data cursor decides and checks), or
 it is refused with the key, the old and the new value: a changed model, seed, data, global batch,
 precision or objective would silently continue another run, or fail deep inside torch. The paths of
 the inputs (RELOCATABLE) may change where the checkpoint's fingerprint guards what they hold.
@@ -25,7 +26,7 @@ MAY_CHANGE = (
     "run.dir", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_examples",
     "trainer.grad_clip", "trainer.empty_step", "trainer.nonfinite", "optim.lr", "optim.schedule",
     "optim.warmup_steps", "optim.min_lr_ratio", "optim.decay_steps", "batch.micro_size", "batch.micro_tokens",
-    "data.cache_dir", "logger", "checkpoint", "dist", "strategy",
+    "data.cache_dir", "data.order", "logger", "checkpoint", "dist", "strategy",
 )
 """Keys (or whole sections) that may differ from the checkpoint's config. The world size is not in
 the config: it may change too."""
@@ -83,13 +84,20 @@ def check_config(saved: dict, current: dict, defaults: dict, fingerprinted: bool
     allowed = MAY_CHANGE + (RELOCATABLE if fingerprinted else ())
     allowed += tuple(key for key, (decider, value) in SAME_SAMPLE_WHEN.items()
                      if flatten(saved).get(decider) == value == flatten(current).get(decider))
-    refused = [change for change in changes if not _may_change(change[0], allowed)]
+    refused = [change for change in changes if not _may_change(change[0], allowed) and not is_mixture_weight(change[0])]
     if refused:
         lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)
         raise CheckpointError(f"the config differs from the checkpoint's in keys that cannot change on resume: {lines}."
                               " Resume with the checkpoint's values, or start a new run (another run.dir, or "
                               f"checkpoint.resume=none). Keys that may change: {', '.join(allowed)}")
     return changes
+
+
+def is_mixture_weight(key: str) -> bool:
+    """data.sources.<source>.weight: a mixture's weights may change on resume; the mix continues from
+    each source's cursor (ddptrain/data/mixture.py), and the fingerprint records the weights."""
+    parts = key.split(".")
+    return len(parts) == 4 and parts[:2] == ["data", "sources"] and parts[3] == "weight"
 
 
 def log_applied(changes: list[tuple[str, Any, Any]]) -> None:

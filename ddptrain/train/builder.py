@@ -23,11 +23,14 @@ from ddptrain.config.layout import BatchLayout, default_packing
 from ddptrain.config.schema import ConfigError, TrainConfig
 from ddptrain.config.validation import strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
+from ddptrain.data.mixed import MixtureSplits, SourceLabels, load_mixture, mixture_training_examples
+from ddptrain.data.mixture import MixturePlan
 from ddptrain.distributed import DistInfo, pick_device, raise_on_every_rank
 from ddptrain.engine.chunked import chunk_rows
 from ddptrain.engine.engine import Engine
 from ddptrain.engine.objective import Objective
 from ddptrain.engine.preference import DPOObjective
+from ddptrain.engine.sourced import SourcedObjective
 from ddptrain.models.adapters import ModelAdapter, adapter_for
 from ddptrain.models import attention
 from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract, head_width_problem
@@ -83,7 +86,8 @@ def decay_steps(cfg: TrainConfig) -> int:
 def load_data(cfg: TrainConfig, dist_info: DistInfo) -> DataSplits:
     """The tokenized splits; the ranks that share the cache directory preprocess it together (a shard each)."""
     started = time.perf_counter()
-    data = load_splits(cfg.data, cfg.batch.seq_len, local_rank=dist_info.local_rank, collective=True)
+    load = load_mixture if cfg.data.name == "mixture" else load_splits
+    data = load(cfg.data, cfg.batch.seq_len, local_rank=dist_info.local_rank, collective=True)
     log.info("data: %d train documents -> %d examples (%d valid targets), %d validation examples, %.1fs",
              data.train.documents, len(data.train), data.train.valid_targets(), len(data.val),
              time.perf_counter() - started)
@@ -91,9 +95,19 @@ def load_data(cfg: TrainConfig, dist_info: DistInfo) -> DataSplits:
 
 
 def train_batches(cfg: TrainConfig, data: DataSplits, dist_info: DistInfo) -> TrainBatches:
+    """This rank's microbatches; a new run's epochs in the order data.order names (auto: the bijection; a
+    resumed run then continues in its checkpoint's order, TrainBatches.load_state_dict)."""
     batch = cfg.batch
-    return TrainBatches(data.train, batch.global_size, batch.micro_size, cfg.run.seed, dist_info.rank,
-                        dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len)
+    order = "bijection" if cfg.data.order == "auto" else cfg.data.order
+    examples, plan, labels = data.train, None, None
+    if isinstance(data, MixtureSplits):
+        examples, sources = mixture_training_examples(data, batch.pack, batch.seq_len)
+        plan = MixturePlan(sources, batch.global_size, cfg.run.seed, order)
+        if len(sources) > 1:  # each position's source, for loss/<source> (one source: the loss itself)
+            labels = SourceLabels([source.offset for source in sources], examples.lengths)
+    return TrainBatches(examples, batch.global_size, batch.micro_size, cfg.run.seed, dist_info.rank,
+                        dist_info.world_size, micro_tokens=batch.micro_tokens, pack=batch.pack, seq_len=batch.seq_len,
+                        order=order, plan=plan, labels=labels)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None = None, precision: str | None = None,
@@ -189,10 +203,12 @@ def optimizer_and_schedule(cfg: TrainConfig, model: nn.Module):
     return optimizer, scheduler
 
 
-def objective_of(cfg: TrainConfig) -> Objective | DPOObjective:
+def objective_of(cfg: TrainConfig, sources: int = 1) -> Objective | DPOObjective | SourcedObjective:
+    """The configured objective; over a mixture of several `sources`, summed per source as well."""
     if cfg.objective.name == "dpo":
         return DPOObjective(beta=cfg.objective.beta, loss_type=cfg.objective.loss_type)
-    return Objective(label_smoothing=cfg.objective.label_smoothing, z_loss=cfg.objective.z_loss)
+    objective = Objective(label_smoothing=cfg.objective.label_smoothing, z_loss=cfg.objective.z_loss)
+    return SourcedObjective(objective, sources) if sources > 1 else objective
 
 
 def step_layout(cfg: TrainConfig, world_size: int) -> dict:
@@ -295,7 +311,7 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
     frozen = frozen_copy(model, cfg.strategy.name) if cfg.objective.name == "dpo" and not is_adapted(model) else None
     engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
                     precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
-                    device=run_device, objective=objective_of(cfg),
+                    device=run_device, objective=objective_of(cfg, len(data.names) if isinstance(data, MixtureSplits) else 1),
                     strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
                     save_frozen=adapter.saves_frozen_weights(spec), chunked_head=cfg.trainer.chunked_head,
                     head_chunk_tokens=cfg.trainer.head_chunk_tokens)

@@ -77,6 +77,7 @@ class Checkpointer:
             raise ckpt.CheckpointError(f"{path}: data cursor {cursor['samples_seen']} does not match step {step} "
                                        f"x batch.global_size {self.cfg.batch.global_size}; the global batch size "
                                        "must not change on resume")
+        self.built.batches.load_state_dict(cursor, step, self.cfg.data.order)  # its order, a mixture's positions
         ckpt.load_rng_for_rank(path, self.dist.rank, self.dist.world_size, state["world_size"])
         self._check_horizon(state)
         self._held[step] = Path(path)

@@ -35,21 +35,32 @@ log = logging.getLogger(__name__)
 class Evaluator:
     def __init__(self, val: TokenExamples, examples: int, micro_batch_size: int, every: int, last_step: int,
                  dist_info: DistInfo, micro_tokens: int | None = None, engine: Engine | None = None,
-                 reference: Reference | None = None):
+                 reference: Reference | None = None, sources: list[tuple[str, int, int]] | None = None):
+        """`sources`: a mixture's (name, first id, examples) in `val`: up to `examples` of each are evaluated,
+        each source's microbatches its own, and val_loss/<source> is its mean beside the total's."""
         self.val = val
+        self.source_losses: dict[str, float] = {}  # val_loss/<source> of the last run (a mixture's)
         self.engine = engine  # what `on_step_end` evaluates
         self.reference = reference  # preference pairs: the loss is the engine's objective (DPO), over pairs
         if examples > len(val):  # not refused: the default 64 exceeds a small corpus's split, and all of it is used
             log.warning("trainer.eval_examples=%d > the %d examples of the validation split: the validation loss is "
                         "over all %d of them; lower trainer.eval_examples or give a larger validation split",
                         examples, len(val), len(val))
-        self.ids = np.arange(min(examples, len(val)))
+        self.sources = [(name, np.arange(first, first + min(examples, size))) for name, first, size in sources or []]
+        self.ids = np.concatenate([ids for _, ids in self.sources]) if sources else np.arange(min(examples, len(val)))
         self.micro_batch_size = micro_batch_size
         self.micro_tokens = micro_tokens
         self.every = every
         self.last_step = last_step
         self.dist = dist_info
-        ranks = self._rank_microbatches()
+        groups = [ids for _, ids in self.sources] or [self.ids]
+        ranks = [[] for _ in range(dist_info.world_size)]
+        self.groups = []  # (the source of each of this rank's microbatches)
+        for group, ids in enumerate(groups):  # a microbatch holds one source's examples
+            for rank, micro in enumerate(self._rank_microbatches(ids)):
+                ranks[rank] += micro
+                if rank == dist_info.rank:
+                    self.groups += [group] * len(micro)
         self.microbatches = ranks[dist_info.rank]
         self.rounds = max(map(len, ranks))  # the same on every rank: the longest list, fillers pad the others
 
@@ -57,13 +68,15 @@ class Evaluator:
     def from_config(cls, val: TokenExamples, cfg: TrainConfig, dist_info: DistInfo, engine: Engine,
                     reference: Reference | None = None) -> "Evaluator":
         """trainer.eval_examples of `val`, every trainer.eval_every steps and the last, in the run's microbatches."""
+        sources = getattr(val, "mixture_sources", None)  # data=mixture: (name, first id, examples) of each source
         return cls(val, cfg.trainer.eval_examples, cfg.batch.micro_size, cfg.trainer.eval_every, cfg.trainer.max_steps,
-                   dist_info, micro_tokens=cfg.batch.micro_tokens, engine=engine, reference=reference)
+                   dist_info, micro_tokens=cfg.batch.micro_tokens, engine=engine, reference=reference,
+                   sources=sources if sources and len(sources) > 1 else None)
 
-    def _rank_microbatches(self) -> list[list[np.ndarray]]:
+    def _rank_microbatches(self, ids: np.ndarray) -> list[list[np.ndarray]]:
         """Every rank's microbatches of its strided share: micro_batch_size rows each, or the training's
         token budget (longest first, rows x longest <= micro_tokens padded positions)."""
-        shares = [self.ids[rank :: self.dist.world_size] for rank in range(self.dist.world_size)]
+        shares = [ids[rank :: self.dist.world_size] for rank in range(self.dist.world_size)]
         if self.micro_tokens is None:
             return [split_micro(share, self.micro_batch_size) for share in shares]
         positions = self.val.lengths - 1  # (N,) input positions of each example, what collate pads to
@@ -78,6 +91,7 @@ class Evaluator:
     def on_step_end(self, end: StepEnd) -> None:
         if self.should_run(end.step):
             end.val_loss = self.run(self.engine)
+            end.evals.update(self.source_losses)
 
     def on_fit_end(self, step: int) -> None:
         pass
@@ -86,10 +100,11 @@ class Evaluator:
     def run(self, engine: Engine) -> float:
         """Collective. Every rank runs the same number of forwards (ZeRO-3 gathers weights collectively)."""
         device = self.dist.device
-        sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, valid targets)
+        sums = torch.zeros(max(len(self.sources), 1), 2, dtype=torch.float64, device=device)  # (loss sum, targets)
         model = engine.model
         model.eval()
         for index in range(self.rounds):
+            group = sums[self.groups[index]] if index < len(self.microbatches) else sums[0]
             if index < len(self.microbatches):
                 inputs, targets = self.val.collate(self.microbatches[index])
             else:  # a filler: this rank's share is used up
@@ -100,13 +115,18 @@ class Evaluator:
             if self.reference is not None:  # pairs: the mean DPO loss over the validation pairs
                 [(inputs, targets)] = self.reference.fill([(inputs, targets)])
                 inputs, targets = inputs.to(device), targets.to(device)
-                sums[0] += engine.token_sum(inputs, targets)[0]
-                sums[1] += targets.pairs
+                group[0] += engine.token_sum(inputs, targets)[0]
+                group[1] += targets.pairs
                 continue
             positions = valid_positions_of(targets)  # on the host: no device sync
             inputs, targets = inputs.to(device), targets.to(device)
-            sums[0] += engine.token_sum(inputs, targets, CROSS_ENTROPY, positions).double()
-            sums[1] += (targets != IGNORE_INDEX).sum()
+            group[0] += engine.token_sum(inputs, targets, CROSS_ENTROPY, positions).double()
+            group[1] += (targets != IGNORE_INDEX).sum()
         model.train()
         all_reduce_sum(sums)
-        return float(sums[0] / sums[1]) if sums[1] > 0 else float("nan")
+        self.source_losses = {f"val_loss/{name}": _mean(*sums[k].tolist()) for k, (name, _) in enumerate(self.sources)}
+        return _mean(*sums.sum(0).tolist())
+
+
+def _mean(loss_sum: float, count: float) -> float:
+    return loss_sum / count if count > 0 else float("nan")

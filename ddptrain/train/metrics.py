@@ -290,6 +290,10 @@ def format_line(metrics: dict, step_suffix: str = "") -> str:
         if metrics.get(key) is not None:
             parts.append(f"{key} " + fmt.format(metrics[key]))
     parts += [f"{key} {value:.3f}" for key, value in metrics.items() if key.startswith("eval/") and value is not None]
+    shares = [f"{key[4:-6]} {value:.0%}" for key, value in metrics.items()
+              if key.startswith("mix/") and key.endswith("/share") and value is not None]
+    if shares:  # data=mixture: each source's cumulative share of the valid targets
+        parts.append("mix " + " ".join(shares))
     if metrics.get("step_time_s") is not None:
         split = "/".join(f"{metrics.get(key) or 0:.3f}" for key in TIME_SPLIT)
         parts.append(f"step {metrics['step_time_s']:.3f}s (data/fwd-bwd/comm/optim {split})")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ddptrain.config.schema import TrainConfig
+from ddptrain.data.mixture import MixturePlan
 from ddptrain.data.prefetch import Prefetcher, pin_memory_available
 from ddptrain.distributed import DistInfo
 from ddptrain.engine.equivalence import log_equivalence_caveats
@@ -240,7 +241,8 @@ class Trainer:
                                 self.train_batches.global_positions(self.step))
         self.state.step = step
         self._unread.append((step, stats))
-        return StepEnd(step, step == self.cfg.trainer.max_steps, stats, lr, counters=self._counters)
+        return StepEnd(step, step == self.cfg.trainer.max_steps, stats, lr,
+                       counters=lambda: {**self._counters(), **self._mixture_figures(step, stats)})
 
     def _read_steps(self) -> None:
         """Read the steps since the last read (this waits for the device): counters, skips, policies."""
@@ -269,6 +271,11 @@ class Trainer:
         if self.engine.loss_scale is not None:
             counters["loss_scale"] = float(self.engine.loss_scale.scale)
         return counters
+
+    def _mixture_figures(self, step: int, stats: StepStats) -> dict:
+        """data=mixture: mix/<source>/targets, share, epoch, exhausted and loss/<source> of `step`."""
+        plan = self.train_batches.plan
+        return plan.figures(step, stats.metric_sums or [stats.loss]) if isinstance(plan, MixturePlan) else {}
 
     def _preempt(self, end: StepEnd) -> None:
         """Checkpoint this step (unless its scheduled checkpoint was just written) and exit. The

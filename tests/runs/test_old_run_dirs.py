@@ -29,18 +29,18 @@ def _old_run(tmp_path: Path) -> Path:
     return run_dir
 
 
-def _train(run_dir: Path, steps: int, nproc: int) -> str:
-    result = run_cli([*RUN, f"run.dir={run_dir}", f"trainer.max_steps={steps}"], nproc=nproc)
+def _train(run_dir: Path, steps: int, nproc: int, *extra: str) -> str:
+    result = run_cli([*RUN, f"run.dir={run_dir}", f"trainer.max_steps={steps}", *extra], nproc=nproc)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stderr
 
 
 def test_an_old_run_dir_resumes_on_the_curve_of_a_run_that_never_stopped(tmp_path):
     run_dir = _old_run(tmp_path)
-    log = _train(run_dir, 6, nproc=2)  # another world size too: the checkpoint is strategy-neutral
+    log = _train(run_dir, 6, 2)  # another world size too; data.order=auto keeps the run's own (the permutation)
     assert "resumed from" in log and "step_00000004" in log, log[-3000:]
     straight = tmp_path / "straight"
-    _train(straight, 6, nproc=1)
+    _train(straight, 6, 1, "data.order=permutation")  # the old run's order: its cursor records none
     resumed, reference = [m["loss"] for m in read_metrics(run_dir)], [m["loss"] for m in read_metrics(straight)]
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 7))
     worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference))
