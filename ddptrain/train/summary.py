@@ -67,3 +67,20 @@ def log_memory_plan(cfg: TrainConfig, dist_info: DistInfo) -> None:
         return
     for line in format_plan(plans, counts, layout, memory, details=False).splitlines():
         log.info("%s", line)
+
+
+def log_rl_summary(cfg: TrainConfig, dist_info: DistInfo, built: Built, step: int) -> None:
+    """objective=grpo's start-up lines: the world, the layout in prompts and completions, the model."""
+    rl, batch = cfg.rl, cfg.batch
+    log.info("world: %d rank(s) on %d node(s) | strategy: %s | precision %s", dist_info.world_size,
+             env_node_count(), cfg.strategy.name, cfg.trainer.precision)
+    log.info("grpo: %d prompts per step x %d completions of <= %d tokens (temperature %g, top_p %g), %d prompts "
+             "per rank | loss %s, scale_rewards %s, %d update(s) per rollout", batch.global_size, rl.group_size,
+             rl.max_new_tokens, rl.temperature, rl.top_p, batch.global_size // dist_info.world_size,
+             rl.loss_aggregation, rl.scale_rewards, rl.updates_per_rollout)
+    parameters = num_parameters(built.model)
+    log.info("model: %s (%s), %d parameters (%.2fM) | rewards: %s | %d prompts", built.spec.class_name,
+             built.spec.kind, parameters, parameters / 1e6, ", ".join(built.rl.rewards.names), len(built.data))
+    if is_rank_zero():
+        log_memory_plan(cfg, dist_info)
+    log.info("run dir: %s | steps %d..%d", Path(cfg.run.dir).resolve(), step, cfg.trainer.max_steps)
