@@ -79,7 +79,7 @@ def load_prompts(data_cfg: Any, seq_len: int, max_new_tokens: int) -> PromptSet:
         if key not in record:
             raise DataError(f"{name}: no field {key!r} (data.prompt_field); the record has {sorted(record)}")
         prompt = record[key]
-        ids = _encode(name, prompt, tokenizer)
+        ids = encode_prompt(name, prompt, tokenizer)
         if len(ids) > longest:
             raise DataError(f"{name}: the prompt is {len(ids)} tokens, longer than batch.seq_len={seq_len} - "
                             f"rl.max_new_tokens={max_new_tokens} = {longest} leaves for it: raise batch.seq_len, "
@@ -92,7 +92,9 @@ def load_prompts(data_cfg: Any, seq_len: int, max_new_tokens: int) -> PromptSet:
     return PromptSet(prompts, tokenizer, {"prompts": len(prompts), "sha256": digest.hexdigest()})
 
 
-def _encode(name: str, prompt: Any, tokenizer: ChatTokenizer) -> list[int]:
+def encode_prompt(name: str, prompt: Any, tokenizer: ChatTokenizer) -> list[int]:
+    """A record's prompt as the policy sees it: a string tokenized as it is, messages rendered with the
+    chat template and its generation prompt."""
     if isinstance(prompt, str):
         if not prompt:
             raise DataError(f"{name}: the prompt is empty: the policy needs at least one token to continue")

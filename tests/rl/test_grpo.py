@@ -41,41 +41,56 @@ CURVE_KEYS = ("loss", "grad_norm", "reward", "reward_std", "reward/tests.rl.rewa
               "frac_reward_zero_std", "completion_tokens")
 
 
-@pytest.mark.slow
-def test_the_run_is_the_same_on_one_and_two_ranks_rollouts_included(setup, tmp_path):
-    curves = {}
-    for nproc in (1, 2):
-        run_dir = tmp_path / f"run{nproc}"
-        result = run_cli(grpo_args(setup, run_dir), nproc=nproc)
-        assert result.returncode == 0, result.stderr[-4000:]
-        curves[nproc] = read_metrics(run_dir)
-    assert [r["step"] for r in curves[1]] == [1, 2, 3]
-    for one, two in zip(curves[1], curves[2]):
+def _same_curve(got: list[dict], expected: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for one, two in zip(expected, got):
         for key in CURVE_KEYS:
             a, b = one[key], two[key]
             assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (one["step"], key, a, b)
-    first = curves[1][0]
-    assert first["reward_std"] > 0 and first["completion_tokens"] > 0, first
-    for key in ("generate_s", "score_s", "train_s", "rollout_tokens_per_second", "tokens_per_second"):
-        assert key in first, key
-    assert curves[1][0]["loss"] != curves[1][2]["loss"] or curves[1][0]["reward"] != curves[1][2]["reward"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(setup):
+    """Three GRPO steps on one rank (ddp): the curve the other layouts are held to."""
+    run_dir = setup[0] / "one_rank"
+    result = run_cli(grpo_args(setup, run_dir))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return read_metrics(run_dir)
 
 
 @pytest.mark.slow
-def test_a_resumed_run_generates_the_same_rollouts_on_another_world_size(setup, tmp_path):
-    straight = tmp_path / "straight"
-    result = run_cli(grpo_args(setup, straight, "optim.decay_steps=3"))
+def test_the_run_is_the_same_on_one_and_two_ranks_rollouts_included(setup, one_rank, tmp_path):
+    run_dir = tmp_path / "two_ranks"
+    result = run_cli(grpo_args(setup, run_dir), nproc=2)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert [r["step"] for r in one_rank] == [1, 2, 3]
+    _same_curve(read_metrics(run_dir), one_rank)
+    first = one_rank[0]
+    assert first["reward_std"] > 0 and first["completion_tokens"] > 0, first
+    for key in ("generate_s", "score_s", "train_s", "rollout_tokens_per_second", "tokens_per_second", "kl",
+                "clip_ratio", "nan_reward_steps"):
+        assert key in first, key
+    assert len({r["reward"] for r in one_rank}) > 1, "the policy and its rollouts change"
+
+
+@pytest.mark.slow
+def test_fsdp_generates_from_the_gathered_policy_and_gives_the_same_curve(setup, one_rank, tmp_path):
+    run_dir = tmp_path / "fsdp"
+    result = run_cli(grpo_args(setup, run_dir, "strategy=fsdp"), nproc=2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "gathers its full weights into a generation copy" in result.stderr
+    _same_curve(read_metrics(run_dir), one_rank)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_generates_the_same_rollouts_on_another_world_size(setup, one_rank, tmp_path):
     resumed = tmp_path / "resumed"
     first = run_cli(grpo_args(setup, resumed, "optim.decay_steps=3", "trainer.max_steps=2"))
     assert first.returncode == 0, first.stderr[-4000:]
     second = run_cli(grpo_args(setup, resumed, "optim.decay_steps=3"), nproc=2)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stderr
-    expected, got = read_metrics(straight), read_metrics(resumed)
-    assert [r["step"] for r in got] == [1, 2, 3]
-    for key in CURVE_KEYS:
-        assert math.isclose(got[2][key], expected[2][key], rel_tol=1e-9, abs_tol=1e-12), key
+    _same_curve(read_metrics(resumed), one_rank)
 
 
 def _fails(result, message: str) -> None:
