@@ -374,7 +374,7 @@ if (( GRPO_STEPS > 0 )); then
         2>/dev/null || true)}
     if [[ -n "$GRPO_MODEL" && -f "$GRPO_MODEL/tokenizer.json" ]]; then
         python -c "import sys; from pathlib import Path; from tests.data.chats import write_jsonl
-from tests.rl.test_learning import sum_prompts; write_jsonl(Path(sys.argv[1]), sum_prompts(64, seed=0))" \
+from tests.rl.sums import sum_prompts; write_jsonl(Path(sys.argv[1]), sum_prompts(64, seed=0))" \
             "$WORK/sums.jsonl"
         rm -rf "$WORK/grpo"
         "${TORCHRUN[@]}" -m ddptrain model=hf model.path="$GRPO_MODEL" model.lora.r=16 data=prompts objective=grpo \

@@ -249,3 +249,15 @@ def test_eval_benchmark_prints_task_time_per_token_beside_the_validation_loss():
     out = _run("benchmarks.bench_eval", "--items", "8", "--val-examples", "4", "--rounds", "1", "--max-docs", "20")
     assert out.startswith("benchmarks.bench_eval: default GPT on cpu"), out
     assert "validation loss" in out and "\ntasks " in out and "(target <= 1)" in out, out
+
+
+def test_grpo_learning_benchmark_prints_the_held_out_reward_along_the_run():
+    from tests.real_model import smollm2_dir
+
+    smollm2_dir()  # or skip, saying what is missing
+    out = _run("benchmarks.bench_grpo_learning", "--segments", "1", "--steps", "1", "--held-out", "4", "--nproc", "1")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_grpo_learning: SmolLM2-135M-Instruct + LoRA"), out
+    assert lines[1].split() == ["step", "train", "reward", "held-out", "reward", "seconds"], out
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1"], out
+    assert 0 <= float(lines[3].split()[2]) <= 1, out

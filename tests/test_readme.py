@@ -526,25 +526,33 @@ def _sft_then_grpo_commands() -> list[str]:
     return [command for command in _sft_lora_block() if "objective=dpo" not in command]
 
 
+def _run_lora_commands(commands: list[str], directory: Path) -> None:
+    """The commands verbatim, one after the other, in `directory`, beside my_model (a tiny Llama with a chat
+    tokenizer, written here) and chats.jsonl (written here)."""
+    from tests.data.chats import random_chats, write_jsonl
+    from tests.data.test_sft import _llama_with_chat_tokenizer
+
+    _llama_with_chat_tokenizer(directory / "my_model")
+    write_jsonl(directory / "chats.jsonl", random_chats(60, seed=1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in commands:
+        result = subprocess.run(["bash", "-c", command], cwd=directory, env=env, capture_output=True, text=True,
+                                timeout=900)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+
+
 @pytest.mark.slow
 def test_sft_then_dpo_with_lora_runs_as_written(tmp_path):
     """The three commands verbatim, in a directory holding my_model (a tiny Llama with a chat tokenizer),
     chats.jsonl and pairs.jsonl: 200 SFT steps, the merged export, 200 DPO steps on it with LoRA."""
-    from tests.data.chats import random_chats, write_jsonl
+    from tests.data.chats import write_jsonl
     from tests.data.pairs import random_pairs
-    from tests.data.test_sft import _llama_with_chat_tokenizer
 
-    _llama_with_chat_tokenizer(tmp_path / "my_model")
-    write_jsonl(tmp_path / "chats.jsonl", random_chats(60, seed=1))
     write_jsonl(tmp_path / "pairs.jsonl", random_pairs(60, seed=2, conversational=True))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     commands = _sft_then_dpo_commands()
     assert len(commands) == 3 and "data=sft" in commands[0] and "--merge" in commands[1]
-    for command in commands:
-        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=900)
-        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+    _run_lora_commands(commands, tmp_path)
     metrics = read_metrics(tmp_path / "runs" / "dpo")
     assert [m["step"] for m in metrics] == list(range(10, 201, 10))
     # Step 1 (policy = reference) is log 2; the run learns to prefer the chosen completions.
@@ -558,21 +566,13 @@ def test_sft_then_grpo_with_lora_runs_as_written(tmp_path):
     """The three commands verbatim, in a directory holding my_model (a tiny Llama with a chat tokenizer),
     chats.jsonl and prompts.jsonl (two-digit sums with their answers): 200 SFT steps, the merged export,
     10 GRPO steps on it with LoRA, rollouts from the merged model with the adapter on."""
-    from tests.data.chats import random_chats, write_jsonl
-    from tests.data.test_sft import _llama_with_chat_tokenizer
-    from tests.rl.test_learning import sum_prompts
+    from tests.data.chats import write_jsonl
+    from tests.rl.sums import sum_prompts
 
-    _llama_with_chat_tokenizer(tmp_path / "my_model")
-    write_jsonl(tmp_path / "chats.jsonl", random_chats(60, seed=1))
     write_jsonl(tmp_path / "prompts.jsonl", sum_prompts(40, seed=3))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     commands = _sft_then_grpo_commands()
     assert len(commands) == 3 and "data=sft" in commands[0] and "objective=grpo" in commands[2]
-    for command in commands:
-        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=900)
-        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+    _run_lora_commands(commands, tmp_path)
     metrics = read_metrics(tmp_path / "runs" / "grpo")
     assert [m["step"] for m in metrics] == [10]
     assert metrics[-1]["completion_tokens"] > 0 and "reward/exact_match" in metrics[-1], metrics[-1]

@@ -14,6 +14,10 @@ import torch
 from ddptrain.generation.generator import Generator, SamplingParams
 
 
+KV_CACHE_MB = 256.0
+"""The paged KV cache's bound for a batch of rollouts (MiB); the memory plan's rollout line says it."""
+
+
 @dataclass(frozen=True)
 class Generated:
     """One request's continuation."""
@@ -25,7 +29,7 @@ class Generated:
 
 
 def generate_ids(model: torch.nn.Module, tokenizer, eos_token_ids, requests: list[tuple[list[int], SamplingParams]],
-                 *, max_active: int = 32, kv_cache_mb: float = 256.0) -> list[Generated]:
+                 *, max_active: int = 32, kv_cache_mb: float = KV_CACHE_MB) -> list[Generated]:
     """Continue every (prompt ids, params) of `requests` with `model` as it is now, in their order."""
     if not requests:
         return []

@@ -272,6 +272,17 @@ def keep_sdpa_off_cudnn_if_shapes_change(batches: TrainBatches, max_steps: int, 
     return True
 
 
+def build_engine(cfg: TrainConfig, dist_info: DistInfo, model: nn.Module, optimizer, scheduler, save_frozen: bool,
+                 device: torch.device, precision: str | None, nonfinite: str | None) -> Engine:
+    """The Engine over the model under the configured strategy (`precision`, `nonfinite`: None for the run's)."""
+    return Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
+                  precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
+                  device=device, objective=objective_of(cfg),
+                  strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
+                  save_frozen=save_frozen, chunked_head=cfg.trainer.chunked_head,
+                  head_chunk_tokens=cfg.trainer.head_chunk_tokens)
+
+
 def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None = None, precision: str | None = None,
           nonfinite: str | None = None, prepare: Callable[[nn.Module], None] | None = None) -> Built:
     """Everything a run needs, from a validated config. `device`, `precision` and `nonfinite`
@@ -299,12 +310,8 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
     optimizer, scheduler = optimizer_and_schedule(cfg, model)
     # DPO's reference: the LoRA base (the adapter disabled), else the initial weights, copied before training.
     frozen = frozen_copy(model) if cfg.objective.name == "dpo" and not is_adapted(model) else None
-    engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
-                    precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
-                    device=run_device, objective=objective_of(cfg),
-                    strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
-                    save_frozen=adapter.saves_frozen_weights(spec), chunked_head=cfg.trainer.chunked_head,
-                    head_chunk_tokens=cfg.trainer.head_chunk_tokens)
+    engine = build_engine(cfg, dist_info, model, optimizer, scheduler, adapter.saves_frozen_weights(spec), run_device,
+                          precision, nonfinite)
     reference = Reference(engine, model, frozen) if cfg.objective.name == "dpo" else None
     if cfg.objective.precompute_reference:  # once, from the initial weights (a resume rebuilds them)
         splits = {"train": data.train, "val": data.val}
@@ -334,12 +341,8 @@ def build_grpo(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | 
     generation_copy = generation_copy_of(model) if strategy_class(cfg.strategy.name).shards_weights else None
     # rl.beta > 0: the KL's reference, as DPO's: the LoRA base (the adapter disabled), else the initial weights.
     frozen = frozen_copy(model) if cfg.rl.beta > 0 and not is_adapted(model) else None
-    engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
-                    precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
-                    device=run_device, objective=objective_of(cfg),
-                    strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
-                    save_frozen=adapter.saves_frozen_weights(spec), chunked_head=cfg.trainer.chunked_head,
-                    head_chunk_tokens=cfg.trainer.head_chunk_tokens)
+    engine = build_engine(cfg, dist_info, model, optimizer, scheduler, adapter.saves_frozen_weights(spec), run_device,
+                          precision, nonfinite)
     if generation_copy is not None:
         generation_copy.to(run_device)
         log.info("rollouts: strategy=%s shards the policy, so each rollout phase gathers its full weights into a "
