@@ -94,7 +94,15 @@ class GRPOStep:
         if self.generation_copy is None:
             return self.policy
         full = self.engine.model_state_dict()
-        self.generation_copy.load_state_dict(full, strict=False)
+        missing, unexpected = self.generation_copy.load_state_dict(full, strict=False)
+        # A tied weight (an output head sharing the embedding) is one tensor under two names: the state
+        # dict may hold one of them. Anything else missing would leave the copy generating stale weights.
+        tied = {name for name, _ in self.generation_copy.named_parameters(remove_duplicate=False)} - \
+            {name for name, _ in self.generation_copy.named_parameters()}
+        stale = [name for name in missing if name not in tied]
+        if unexpected or stale:
+            raise RuntimeError(f"the policy's full weights do not fit its generation copy: missing {stale[:3]}, "
+                               f"unexpected {unexpected[:3]}")
         return self.generation_copy
 
     def step(self, step: int, prompts: list[tuple[int, Prompt]]) -> StepResult:
