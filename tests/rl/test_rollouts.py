@@ -93,6 +93,19 @@ def test_prompts_are_rendered_with_the_generation_prompt_and_too_long_ones_are_r
         load_prompts(cfg, 64, 6)
 
 
+def test_a_saved_hugging_face_dataset_gives_the_same_prompts_as_its_jsonl(setup, tmp_path):
+    datasets = import_optional("datasets")
+    model_dir, prompts = setup
+    records = [{"prompt": record["prompt"], "answer": record["answer"]} for record in prompt_records(8)]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    jsonl = write_jsonl(tmp_path / "same.jsonl", records)
+    tokenizer = str(model_dir / "tokenizer.json")
+    loaded = [load_prompts(DataConfig(name="prompts", paths=[path], tokenizer=tokenizer, cache_dir=str(tmp_path)), 64, 6)
+              for path in (str(tmp_path / "saved"), jsonl)]
+    assert [(p.ids, p.fields) for p in loaded[0].prompts] == [(p.ids, p.fields) for p in loaded[1].prompts]
+    assert loaded[0][3].fields == {"answer": "3"}
+
+
 # -- rewards -----------------------------------------------------------------------------------------
 
 
