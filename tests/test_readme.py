@@ -65,6 +65,8 @@ COMMANDS = {
     "rl.max_new_tokens=16 trainer.max_steps=10 run.dir=runs/grpo":
         "tests/test_readme.py::test_sft_then_grpo_with_lora_runs_as_written",
     "python -m benchmarks.bench": "tests/test_benchmarks.py::test_engine_throughput_benchmark_runs_on_two_ranks",
+    "python -m benchmarks.bench_grpo_learning --segments 3 --steps 3 --held-out 32 --nproc 2":
+        "tests/test_benchmarks.py::test_grpo_learning_benchmark_prints_the_held_out_reward_along_the_run",
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
     "python -m benchmarks.bench_data": "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
