@@ -67,8 +67,9 @@ def relative_update_difference(after: dict, expected_after: dict, before: dict) 
     return worst / scale
 
 
-def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float64):
-    """A tiny random Llama as model=hf builds it: packed rows taken, the head-loss protocol given."""
+def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float64, plain: bool = False):
+    """A tiny random Llama as model=hf builds it: packed rows taken, the head-loss protocol given
+    (`plain`: transformers' model alone, the same weights, for TRL)."""
     transformers = import_optional("transformers")
     from ddptrain.models import hf
 
@@ -77,6 +78,8 @@ def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float6
                                       tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    if plain:
+        return model.to(dtype)
     hf._prepare_for_training(model)
     hf.use_packed_attention(model, "gather")
     assert hf.give_head_loss(model)
