@@ -22,7 +22,7 @@ from ddptrain.testing import run_distributed
 from ddptrain.train.reference import Reference
 from tests.engine.grpo_reference import exact_update, grpo_material, relative_update_difference, tiny_llama
 from tests.engine.test_grpo import LR, VARIANTS
-from tests.helpers import import_deepspeed
+from tests.helpers import import_deepspeed, import_optional
 
 LAYOUTS = {  # name -> RolloutLayout's keywords besides `prompts`
     "2 x 2 prompts": dict(micro_size=2),
@@ -130,3 +130,35 @@ def test_fsdp_gives_the_exact_update_and_zero2_in_fp32_equals_ddp_in_fp32(tmp_pa
             for got, want in zip(ours, theirs):
                 assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9), (key, ours, theirs)
         assert relative_update_difference(zero_weights, ddp_weights, initial) <= 1e-6, key
+
+
+def _lora(model):
+    peft = import_optional("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"],
+                                                      init_lora_weights=False))
+
+
+@pytest.mark.slow
+def test_a_lora_policy_takes_its_base_as_the_reference(tmp_path):
+    """beta > 0 with LoRA: the reference is the policy with its adapter disabled (no copy), so the KL is
+    to the base weights; the loss, KL and the adapter's update equal the exact GRPO's with the base as
+    the reference model, to 1e-9."""
+    material = grpo_material(tmp_path)
+    settings = GRPOSettings("token_mean", beta=0.5, updates_per_rollout=2, max_new_tokens=material.max_new_tokens)
+    parts = split_parts(material.rollouts, material.prompts, 2)
+    exact_model = _lora(tiny_llama(material.vocab_size))
+    before = {k: v.detach().clone() for k, v in exact_model.state_dict().items()}
+    exact, exact_weights = exact_update(exact_model, material.rollouts, settings, parts,
+                                        tiny_llama(material.vocab_size), lr=0.5)
+    model = _lora(tiny_llama(material.vocab_size))
+    engine = Engine(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5), "ddp",
+                    precision="fp64", device=torch.device("cpu"))
+    stats = train_on_rollouts(engine, material.rollouts, settings, RolloutLayout(material.prompts, micro_size=3),
+                              Reference(engine, model))
+    for got, want in zip(stats, exact, strict=True):
+        assert math.isclose(got.loss, want["loss"], rel_tol=1e-9) and math.isclose(got.metrics["kl"], want["kl"],
+                                                                                     rel_tol=1e-9)
+    assert exact[0]["kl"] > 0, "the adapter moves the policy away from its base"
+    trained = {k: v for k, v in engine.model_state_dict(trainable_only=True).items() if "lora_" in k}
+    assert trained and relative_update_difference(trained, {k: exact_weights[k] for k in trained},
+                                                  {k: before[k] for k in trained}) <= 1e-9
