@@ -1,7 +1,7 @@
 """train_on_rollouts on real gloo ranks: the SAME rollouts (saved, replayed) give the exact GRPO update
 (tests/engine/grpo_reference.py) for every loss aggregation on 2 ranks x 2 prompts per microbatch,
 2 ranks under a token budget, 2 ranks with packed rows, and fsdp, in fp64 to 1e-9; zero2 (DeepSpeed
-refuses fp64) in fp32 equals ddp in fp32 to 1e-6. Each layout runs on-policy, and with 2 updates, the
+refuses fp64) in fp32 equals ddp in fp32 to 1e-6; a LoRA policy's reference is its base. Each layout runs on-policy, and with 2 updates, the
 KL term, clipping and masked truncation."""
 
 from __future__ import annotations
@@ -111,16 +111,27 @@ def test_two_ranks_give_the_exact_update_on_every_layout_and_aggregation(tmp_pat
     _assert_exact(results[0], _exact(material), material.initial, 1e-9)
 
 
+BUDGET = {"2 x token budget": LAYOUTS["2 x token budget"]}
+"""Ranks with different microbatch counts: fillers where the strategy communicates in every microbatch."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_fsdp_gives_the_exact_update_and_zero2_in_fp32_equals_ddp_in_fp32(tmp_path):
+def test_fsdp_gives_the_exact_update(tmp_path):
     material = grpo_material(tmp_path)
-    layout = {"2 x token budget": LAYOUTS["2 x token budget"]}  # ranks with different microbatch counts: fillers
-    fsdp = run_distributed(_updates, 2, str(material.path), material.prompts, material.vocab_size, layout, "fsdp",
+    fsdp = run_distributed(_updates, 2, str(material.path), material.prompts, material.vocab_size, BUDGET, "fsdp",
                            timeout_s=1500)
     _assert_exact(fsdp[0], _exact(material), material.initial, 1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_zero2_in_fp32_gives_ddps_update_in_fp32(tmp_path):
+    """DeepSpeed refuses fp64: zero2 against ddp, both fp32, to 1e-6. The loss, KL and clip ratio are sums
+    of terms of either sign of size ~|A| ~ 1, so their fp32 rounding is absolute (1e-6), not relative."""
+    material = grpo_material(tmp_path)
     import_deepspeed()
-    runs = {name: run_distributed(_updates, 2, str(material.path), material.prompts, material.vocab_size, layout,
+    runs = {name: run_distributed(_updates, 2, str(material.path), material.prompts, material.vocab_size, BUDGET,
                                   strategy, options, "fp32", timeout_s=1500)[0]
             for name, strategy, options in (("ddp", "ddp", None), ("zero2", "zero2", ZERO))}
     initial = {k: v.float() for k, v in material.initial.items()}
@@ -128,8 +139,10 @@ def test_fsdp_gives_the_exact_update_and_zero2_in_fp32_equals_ddp_in_fp32(tmp_pa
         zero_updates, zero_weights = runs["zero2"][key]
         for ours, theirs in zip(zero_updates, ddp_updates, strict=True):
             for got, want in zip(ours, theirs):
-                assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9), (key, ours, theirs)
-        assert relative_update_difference(zero_weights, ddp_weights, initial) <= 1e-6, key
+                assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-6), (key, ours, theirs)
+        difference = relative_update_difference(zero_weights, ddp_weights, initial)
+        print(f"\nzero2 vs ddp, fp32, {key[1]}: relative update difference {difference:.1e}")
+        assert difference <= 1e-6, key
 
 
 def _lora(model):
