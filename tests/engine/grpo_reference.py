@@ -23,6 +23,14 @@ MAX_NEW_TOKENS = 9
 PROMPTS = 8
 GROUP_SIZE = 3
 
+VARIANTS = {  # name -> GRPOSettings besides the aggregation, for the tests of the update
+    "on-policy": dict(temperature=0.7),
+    "2 updates, KL, clip-higher (small: some tokens clip), masked truncation": dict(
+        updates_per_rollout=2, beta=0.1, epsilon=0.02, epsilon_high=0.03, mask_truncated=True),
+}
+LR = {"token_mean": 0.5, "sequence_mean": 0.5, "constant": 2.0, "token_sum": 0.02}
+"""SGD rates that move the weights without blowing them up (token_sum's loss is ~ tokens x larger)."""
+
 
 @dataclass
 class Material:

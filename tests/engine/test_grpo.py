@@ -17,7 +17,8 @@ from ddptrain.engine.grpo import LOSS_AGGREGATIONS, CompletionHeadLoss, Completi
 from ddptrain.rl.batches import RolloutLayout, split_parts
 from ddptrain.rl.update import train_on_rollouts
 from ddptrain.train.reference import Reference
-from tests.engine.grpo_reference import exact_update, grpo_material, relative_update_difference, tiny_llama
+from tests.engine.grpo_reference import (LR, VARIANTS, exact_update, grpo_material, relative_update_difference,
+                                        tiny_llama)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -81,15 +82,6 @@ def test_the_counts_and_denominators_of_each_aggregation():
     denominators = {aggregation: int(GRPOObjective(GRPOSettings(aggregation, max_new_tokens=9)).denominator(counts))
                     for aggregation in LOSS_AGGREGATIONS}
     assert denominators == {"token_mean": counts[0], "sequence_mean": 3, "constant": 36, "token_sum": 1}
-
-
-VARIANTS = {  # name -> settings besides the aggregation
-    "on-policy": dict(temperature=0.7),
-    "2 updates, KL, clip-higher (small: some tokens clip), masked truncation": dict(updates_per_rollout=2, beta=0.1, epsilon=0.02, epsilon_high=0.03,
-                                                          mask_truncated=True),
-}
-LR = {"token_mean": 0.5, "sequence_mean": 0.5, "constant": 2.0, "token_sum": 0.02}
-"""SGD rates that move the weights without blowing them up (token_sum's loss is ~ tokens x larger)."""
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ from ddptrain.rl.rollout import load_rollouts
 from ddptrain.rl.update import train_on_rollouts
 from ddptrain.testing import run_distributed
 from ddptrain.train.reference import Reference
-from tests.engine.grpo_reference import exact_update, grpo_material, relative_update_difference, tiny_llama
-from tests.engine.test_grpo import LR, VARIANTS
+from tests.engine.grpo_reference import (LR, VARIANTS, exact_update, grpo_material, relative_update_difference,
+                                        tiny_llama)
 from tests.helpers import import_deepspeed, import_optional
 
 LAYOUTS = {  # name -> RolloutLayout's keywords besides `prompts`
