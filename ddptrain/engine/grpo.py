@@ -168,7 +168,13 @@ class GRPOObjective:
             return (counts[2] * self.settings.max_new_tokens).clamp_min(1)
         return torch.ones_like(counts[0])
 
-    def filler(self, targets: CompletionTargets) -> CompletionTargets:
+    def filler(self, targets: CompletionTargets | torch.Tensor) -> CompletionTargets:
+        """A filler's targets: no completion (`targets` is the engine's token template on a rank that has
+        held no microbatch yet)."""
+        if isinstance(targets, torch.Tensor):
+            none = torch.zeros(0, dtype=torch.float64, device=targets.device)
+            return CompletionTargets(torch.full_like(targets[:1, :1], IGNORE_INDEX), torch.full_like(targets[:1, :1], -1),
+                                     none, none)
         return CompletionTargets.empty(targets)
 
     def token_sum(self, logits: torch.Tensor, targets: CompletionTargets) -> torch.Tensor:
@@ -196,10 +202,10 @@ class GRPOObjective:
                                                                           (advantages > 0))
         kl = torch.zeros_like(losses)
         if settings.beta > 0:
-            if targets.reference is None:
+            if targets.reference is None and len(logps):  # a filler has no token and needs none
                 raise ValueError("beta > 0 needs the reference log-probs of the microbatch: give train_on_rollouts "
                                  "a reference")
-            delta = targets.reference.double() - logps
+            delta = (logps.detach() if targets.reference is None else targets.reference.double()) - logps
             kl = torch.exp(delta) - delta - 1
             losses = losses + settings.beta * kl
         weights = (1 / targets.lengths.double().clamp_min(1))[sequences] if \

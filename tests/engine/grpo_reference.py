@@ -10,18 +10,74 @@ template and random completions of varied lengths, some truncated.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ddptrain.engine.grpo import GRPOSettings
-from ddptrain.rl.rollout import Rollout
+from ddptrain.rl.rollout import Rollout, load_rollouts, save_rollouts
 from tests.helpers import import_optional
 
 MAX_NEW_TOKENS = 9
+PROMPTS = 8
+GROUP_SIZE = 3
+
+VARIANTS = {  # name -> GRPOSettings besides the aggregation, for the tests of the update
+    "on-policy": dict(temperature=0.7),
+    "2 updates, KL, clip-higher (small: some tokens clip), masked truncation": dict(
+        updates_per_rollout=2, beta=0.1, epsilon=0.02, epsilon_high=0.03, mask_truncated=True),
+}
+LR = {"token_mean": 0.5, "sequence_mean": 0.5, "constant": 2.0, "token_sum": 0.02}
+"""SGD rates that move the weights without blowing them up (token_sum's loss is ~ tokens x larger)."""
 
 
-def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float64):
-    """A tiny random Llama as model=hf builds it: packed rows taken, the head-loss protocol given."""
+@dataclass
+class Material:
+    """A step's rollouts, replayed from the file they were saved to, and what made them."""
+
+    path: Path
+    """The rollouts as save_rollouts wrote them."""
+    rollouts: list[Rollout]
+    prompts: int
+    vocab_size: int
+    max_new_tokens: int
+    initial: dict
+    """tiny_llama(vocab_size)'s weights: the policy before the update."""
+
+
+def grpo_material(directory: Path, prompts: int = PROMPTS, group_size: int = GROUP_SIZE) -> Material:
+    """Chat prompts (tests/data/chats.py's tokenizer and template), random completions, saved and replayed."""
+    from tests.data.chats import save_chat_tokenizer
+
+    transformers = import_optional("transformers")
+    tokenizer_dir = save_chat_tokenizer(Path(directory) / "tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    rollouts = random_rollouts(chat_prompts(tokenizer_dir, prompts), group_size, len(tokenizer),
+                               tokenizer.eos_token_id)
+    path = Path(directory) / "rollouts.jsonl"
+    save_rollouts(rollouts, path)
+    replayed = load_rollouts(path)
+    assert replayed == rollouts
+    return Material(path, replayed, prompts, len(tokenizer), MAX_NEW_TOKENS,
+                    {k: v.clone() for k, v in tiny_llama(len(tokenizer)).state_dict().items()})
+
+
+def relative_update_difference(after: dict, expected_after: dict, before: dict) -> float:
+    """max over tensors of max|(after - before) - (expected_after - before)| / max|expected_after - before|:
+    how far an update is from the expected one, relative to the update's size (not the weights')."""
+    worst, scale = 0.0, 0.0
+    for key, expected in expected_after.items():
+        delta = expected - before[key]
+        worst = max(worst, float((after[key].to(delta.dtype) - expected).abs().max()))
+        scale = max(scale, float(delta.abs().max()))
+    assert scale > 0, "the update moved the weights"
+    return worst / scale
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float64, plain: bool = False):
+    """A tiny random Llama as model=hf builds it: packed rows taken, the head-loss protocol given
+    (`plain`: transformers' model alone, the same weights, for TRL)."""
     transformers = import_optional("transformers")
     from ddptrain.models import hf
 
@@ -30,6 +86,8 @@ def tiny_llama(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float6
                                       tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    if plain:
+        return model.to(dtype)
     hf._prepare_for_training(model)
     hf.use_packed_attention(model, "gather")
     assert hf.give_head_loss(model)
@@ -53,6 +111,7 @@ def random_rollouts(prompts: list[tuple[int, ...]], group_size: int, vocab_size:
     """group_size random completions per prompt: lengths 1 .. max_new_tokens, ended by `eos` unless they
     reach max_new_tokens (truncated); random rewards, advantages their group-centred, scaled values."""
     rng = random.Random(seed)
+    tokens = [t for t in range(vocab_size) if t != eos]  # never the end token inside: a completion ends at its first
     rollouts = []
     for index, prompt in enumerate(prompts):
         rewards = [rng.random() for _ in range(group_size)]
@@ -61,7 +120,7 @@ def random_rollouts(prompts: list[tuple[int, ...]], group_size: int, vocab_size:
         for sample, reward in enumerate(rewards):
             length = rng.randint(1, max_new_tokens)
             truncated = length == max_new_tokens and rng.random() < 0.7
-            completion = [rng.randrange(vocab_size) for _ in range(length - (0 if truncated else 1))]
+            completion = [rng.choice(tokens) for _ in range(length - (0 if truncated else 1))]
             completion += [] if truncated else [eos]
             rollouts.append(Rollout(index, sample, tuple(prompt), tuple(completion), truncated, reward,
                                     (reward - mean) / (std + 1e-4)))
@@ -131,5 +190,6 @@ def exact_update(model, rollouts: list[Rollout], settings: GRPOSettings, parts: 
         values["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()
-        results.append({key: float(value) for key, value in values.items()})
+        results.append({key: float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+                        for key, value in values.items()})
     return results, {k: v.detach().clone() for k, v in model.state_dict().items()}
