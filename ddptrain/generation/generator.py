@@ -17,14 +17,12 @@ manager's plain argmax.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import logging
 import math
 import os
 import secrets
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
