@@ -241,7 +241,7 @@ def main() -> None:
                           for c in args.clients}
 
     # The KV cache ddptrain.serve sizes for max_active full-context sequences, given to both servers.
-    from ddptrain.serving.generation import Generator
+    from ddptrain.generation.generator import Generator
 
     cache = Generator(directory, max_active=max_active, device="cpu")._cache_config()
     print(f"model {directory} (context {context}), {args.max_tokens} tokens per request, {args.threads} thread(s) "

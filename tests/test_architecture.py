@@ -295,6 +295,17 @@ def test_serving_and_export_do_not_import_the_training_loop():
                         + "\n".join(_describe(import_graph(), chain) for chain in chains))
 
 
+def test_generation_sits_below_training_serving_and_rl():
+    """ddptrain/generation/ is what both the server and the RL rollouts generate with: it reaches none of
+    train/, serving/ and rl/, directly or through another module, so both may import it."""
+    above = ("ddptrain.train", "ddptrain.serving", "ddptrain.rl")
+    chains = _chains(("ddptrain.generation",), lambda name: _in(name, above))
+    assert not chains, ("ddptrain/generation/ must import nothing from " + ", ".join(above) + ":\n"
+                        + "\n".join(_describe(import_graph(), chain) for chain in chains))
+    graph = folder_graph()
+    assert "ddptrain.generation" in graph["ddptrain.serving"] and "ddptrain.generation" in graph["ddptrain.rl"]
+
+
 # -- what `import ddptrain` loads -------------------------------------------------------------
 
 

@@ -297,3 +297,15 @@ def test_preprocess_benchmark_reports_each_ranks_share(tmp_path):
     assert [shard for shard, _ in shares] == ["0", "1"] and all(abs(float(p) - 50) < 5 for _, p in shares), out
     counts = {line.split()[-3] for line in out.splitlines() if line.startswith(("datasets", "ddptrain"))}
     assert len(counts) == 1, f"every contender counts the same tokens: {out}"
+
+
+def test_grpo_learning_benchmark_prints_the_held_out_reward_along_the_run():
+    from tests.real_model import smollm2_dir
+
+    smollm2_dir()  # or skip, saying what is missing
+    out = _run("benchmarks.bench_grpo_learning", "--segments", "1", "--steps", "1", "--held-out", "4", "--nproc", "1")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_grpo_learning: SmolLM2-135M-Instruct + LoRA"), out
+    assert lines[1].split() == ["step", "train", "reward", "held-out", "reward", "seconds"], out
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1"], out
+    assert 0 <= float(lines[3].split()[2]) <= 1, out

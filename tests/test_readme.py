@@ -63,7 +63,13 @@ COMMANDS = {
         "tests/models/test_lora.py::test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits",
     "python -m ddptrain model=hf model.path=merged model.lora.r=16 data=preference objective=dpo "
     "'data.paths=[pairs.jsonl]' run.dir=runs/dpo": "tests/test_readme.py::test_sft_then_dpo_with_lora_runs_as_written",
+    "python -m ddptrain model=hf model.path=merged model.lora.r=16 data=prompts objective=grpo "
+    "'data.paths=[prompts.jsonl]' 'reward.functions=[exact_match]' batch.global_size=4 batch.micro_size=4 "
+    "rl.max_new_tokens=16 trainer.max_steps=10 run.dir=runs/grpo":
+        "tests/test_readme.py::test_sft_then_grpo_with_lora_runs_as_written",
     "python -m benchmarks.bench": "tests/test_benchmarks.py::test_engine_throughput_benchmark_runs_on_two_ranks",
+    "python -m benchmarks.bench_grpo_learning --segments 3 --steps 3 --held-out 32 --nproc 2":
+        "tests/test_benchmarks.py::test_grpo_learning_benchmark_prints_the_held_out_reward_along_the_run",
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
     "python -m benchmarks.bench_data": "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
@@ -268,6 +274,7 @@ RUN_VERBATIM = {
     "test_own_model_example_runs_as_written": lambda: _own_model_example()[1],
     "test_ci_runs_exactly_the_readme_test_command": lambda: [_readme_commands()[1]],  # .ci/run runs that line
     "test_sft_then_dpo_with_lora_runs_as_written": lambda: _sft_then_dpo_commands(),
+    "test_sft_then_grpo_with_lora_runs_as_written": lambda: _sft_then_grpo_commands(),
 }
 """Tests of this file that take their commands from README.md itself: name -> the commands they run."""
 
@@ -510,34 +517,71 @@ def test_own_model_example_runs_as_written(tmp_path):
     assert outputs[2].stdout.startswith("TinyLM(") and "GRU(96, 96" in outputs[2].stdout, outputs[2].stdout
 
 
-def _sft_then_dpo_commands() -> list[str]:
-    """The README's bash block that ends with the DPO run: SFT with LoRA, the merge, DPO with LoRA."""
+def _sft_lora_block() -> list[str]:
+    """The README's bash block of LoRA runs: SFT, the merge, DPO, GRPO."""
     block = next(block for block in _blocks(REPO / "README.md", "bash") if "objective=dpo" in block)
     return block.strip().splitlines()
+
+
+def _sft_then_dpo_commands() -> list[str]:
+    """SFT with LoRA, the merge, DPO with LoRA: the block without its GRPO run."""
+    return [command for command in _sft_lora_block() if "objective=grpo" not in command]
+
+
+def _sft_then_grpo_commands() -> list[str]:
+    """SFT with LoRA, the merge, GRPO with LoRA: the block without its DPO run."""
+    return [command for command in _sft_lora_block() if "objective=dpo" not in command]
+
+
+def _run_lora_commands(commands: list[str], directory: Path) -> None:
+    """The commands verbatim, one after the other, in `directory`, beside my_model (a tiny Llama with a chat
+    tokenizer, written here) and chats.jsonl (written here)."""
+    from tests.data.chats import random_chats, write_jsonl
+    from tests.data.test_sft import _llama_with_chat_tokenizer
+
+    _llama_with_chat_tokenizer(directory / "my_model")
+    write_jsonl(directory / "chats.jsonl", random_chats(60, seed=1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in commands:
+        result = subprocess.run(["bash", "-c", command], cwd=directory, env=env, capture_output=True, text=True,
+                                timeout=900)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
 
 
 @pytest.mark.slow
 def test_sft_then_dpo_with_lora_runs_as_written(tmp_path):
     """The three commands verbatim, in a directory holding my_model (a tiny Llama with a chat tokenizer),
     chats.jsonl and pairs.jsonl: 200 SFT steps, the merged export, 200 DPO steps on it with LoRA."""
-    from tests.data.chats import random_chats, write_jsonl
+    from tests.data.chats import write_jsonl
     from tests.data.pairs import random_pairs
-    from tests.data.test_sft import _llama_with_chat_tokenizer
 
-    _llama_with_chat_tokenizer(tmp_path / "my_model")
-    write_jsonl(tmp_path / "chats.jsonl", random_chats(60, seed=1))
     write_jsonl(tmp_path / "pairs.jsonl", random_pairs(60, seed=2, conversational=True))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     commands = _sft_then_dpo_commands()
     assert len(commands) == 3 and "data=sft" in commands[0] and "--merge" in commands[1]
-    for command in commands:
-        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=900)
-        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+    _run_lora_commands(commands, tmp_path)
     metrics = read_metrics(tmp_path / "runs" / "dpo")
     assert [m["step"] for m in metrics] == list(range(10, 201, 10))
     # Step 1 (policy = reference) is log 2; the run learns to prefer the chosen completions.
     assert metrics[-1]["loss"] < math.log(2) and metrics[-1]["reward_margin"] > 0, metrics[-1]
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "runs" / "dpo" /
+                                                                                      "final").iterdir()}
+
+
+@pytest.mark.slow
+def test_sft_then_grpo_with_lora_runs_as_written(tmp_path):
+    """The three commands verbatim, in a directory holding my_model (a tiny Llama with a chat tokenizer),
+    chats.jsonl and prompts.jsonl (two-digit sums with their answers): 200 SFT steps, the merged export,
+    10 GRPO steps on it with LoRA, rollouts from the merged model with the adapter on."""
+    from tests.data.chats import write_jsonl
+    from tests.rl.sums import sum_prompts
+
+    write_jsonl(tmp_path / "prompts.jsonl", sum_prompts(40, seed=3))
+    commands = _sft_then_grpo_commands()
+    assert len(commands) == 3 and "data=sft" in commands[0] and "objective=grpo" in commands[2]
+    _run_lora_commands(commands, tmp_path)
+    metrics = read_metrics(tmp_path / "runs" / "grpo")
+    assert [m["step"] for m in metrics] == [10]
+    assert metrics[-1]["completion_tokens"] > 0 and "reward/exact_match" in metrics[-1], metrics[-1]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "runs" / "grpo" /
                                                                                       "final").iterdir()}

@@ -47,7 +47,7 @@ def attention_refusal(backend: str, device_type: str, precision: str) -> str | N
                 f"{' | '.join(precisions)} ({why}); this run has {device_type} and {precision}: use "
                 "trainer.attention=auto, gather or mask")
     return None
-DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf", "sft", "preference", "mixture")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "tokens", "hf", "sft", "preference", "mixture", "prompts")
 """data.name"""
 MIX_KINDS = ("text", "jsonl", "tokens", "hf", "sft", "preference")
 """data.sources.<source>.name (data=mixture): the kinds a source may be; pairs (preference) mix only with pairs."""
@@ -61,8 +61,16 @@ SFT_TRAIN_ON = ("all_assistant", "last_assistant")
 """data.train_on (data=sft): which assistant turns of a conversation are targets."""
 SFT_TRUNCATIONS = ("drop", "right", "error")
 """data.truncation (data=sft): an example longer than batch.seq_len + 1 is dropped (counted), cut at its end, or an error."""
-OBJECTIVES = ("token", "dpo")
-"""objective.name: the mean token loss over valid targets, or DPO's mean over preference pairs (data=preference)."""
+OBJECTIVES = ("token", "dpo", "grpo")
+"""objective.name: the mean token loss over valid targets, DPO's mean over preference pairs (data=preference), or
+GRPO on rollouts of prompts (data=prompts)."""
+SCALE_REWARDS = ("group", "batch", "none")
+"""rl.scale_rewards (objective=grpo): divide each advantage by its group's reward std, the batch's, or not at all."""
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant", "token_sum")
+"""rl.loss_aggregation (objective=grpo): DAPO's token mean over the step, GRPO's mean of sequence means, Dr. GRPO's
+constant normaliser (completions x rl.max_new_tokens), or the plain token sum."""
+BUILTIN_REWARDS = ("exact_match", "format")
+"""reward.functions entries without a `module:function` path: ddptrain's own reward functions."""
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 """objective.loss_type (objective=dpo): TRL's formulas of the same names."""
 SPLIT_BY = ("file", "paragraph")

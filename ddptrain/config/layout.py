@@ -30,6 +30,8 @@ def default_packing(cfg: Any) -> tuple[bool, str]:
     if cfg.data.name == "preference":
         return False, ("unpacked pairs, two rows each (batch.pack=true packs each step's pairs whole, chosen and "
                        "rejected as two documents of a row: the same sample, fewer padded positions)")
+    if cfg.data.name == "prompts":
+        return False, "unpacked rollouts, one completion per row (batch.pack=true packs each step's completions)"
     if cfg.data.name != "sft":
         return False, (f"unpacked rows: data={cfg.data.name} packed would draw other examples per step "
                        "(set batch.pack=true to pack the stream)")

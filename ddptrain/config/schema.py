@@ -284,6 +284,51 @@ class MixSourceConfig:
 
 
 @dataclass
+class RLConfig:
+    """objective=grpo: how rollouts are generated and how the GRPO update weighs them (docs/rl.md)."""
+
+    group_size: int = 4
+    """Completions sampled per prompt (>= 2: a group's advantages compare its completions)."""
+    max_new_tokens: int = 64
+    """Tokens generated per completion at most; a prompt may be at most batch.seq_len - max_new_tokens tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); the policy's log-probs are taken at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling in (0, 1]."""
+    stop: list = field(default_factory=list)
+    """Up to 4 strings: a completion ends with the token that completes one of them."""
+    scale_rewards: str = "group"
+    """group | batch | none: divide advantages by the group's reward std, the whole batch's, or not at all."""
+    loss_aggregation: str = "token_mean"
+    """token_mean | sequence_mean | constant | token_sum (docs/rl.md: the formulas and their papers)."""
+    epsilon: float = 0.2
+    """The importance ratio's lower clip: 1 - epsilon."""
+    epsilon_high: Optional[float] = None
+    """The upper clip 1 + epsilon_high (DAPO's clip-higher); null: epsilon."""
+    beta: float = 0.0
+    """The KL penalty's weight (k3 estimator) to the reference; 0: no reference."""
+    mask_truncated: bool = False
+    """Leave completions cut at max_new_tokens out of the loss (DAPO's overlong filtering)."""
+    updates_per_rollout: int = 1
+    """Optimizer steps per step's rollouts, each over its own part of them."""
+
+
+@dataclass
+class RewardConfig:
+    """objective=grpo: the reward of a completion, a weighted sum of reward functions."""
+
+    functions: list = field(default_factory=list)
+    """Built-in names (exact_match, format) or `module:function` paths, each called TRL's way:
+    f(prompts, completions, **fields) -> list[float | None]."""
+    weights: Optional[list] = None
+    """One weight per function; null: 1 each."""
+    answer_field: str = "answer"
+    """exact_match: the prompt record's field holding the right answer."""
+    format_pattern: str = r"^.*\S.*$"
+    """format: the regex a completion must match in full (re.fullmatch, DOTALL) for reward 1."""
+
+
+@dataclass
 class WandbConfig:
     mode: str = "disabled"
     """online | offline | disabled"""
@@ -362,6 +407,8 @@ class TrainConfig:
     """Checked against MODEL_SCHEMAS[model.name] by `validate` (a `_target_` factory takes any keys)."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     strategy: Any = field(default_factory=dict)
     """`name` (a key of ddptrain.config.choices.STRATEGIES) and that strategy's own Options, checked by `validate`."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -23,7 +23,7 @@ from ddptrain.config import choices
 from ddptrain.config.evaluation import validate_evaluation
 from ddptrain.config.layout import BatchLayout, rows_vary
 from ddptrain.config.schema import (MODEL_SCHEMAS, ConfigError, DataConfig, MixSourceConfig, ObjectiveConfig,
-                                    OptimConfig, TrainConfig, WandbConfig)
+                                    OptimConfig, RewardConfig, RLConfig, TrainConfig, WandbConfig)
 from ddptrain.distributed import replicate_degree
 
 _CHOICES = {
@@ -43,6 +43,8 @@ _CHOICES = {
     "data.order": choices.DATA_ORDERS,
     "objective.name": choices.OBJECTIVES,
     "objective.loss_type": choices.DPO_LOSS_TYPES,
+    "rl.scale_rewards": choices.SCALE_REWARDS,
+    "rl.loss_aggregation": choices.LOSS_AGGREGATIONS,
     "logger.wandb.mode": choices.WANDB_MODES,
     "logger.progress": choices.PROGRESS_MODES,
 }
@@ -54,8 +56,9 @@ _READ_ONLY_WHEN = (
     ("data.split_by", DataConfig, "data.name", ("text",)),
     ("data.field", DataConfig, "data.name", ("jsonl", "hf")),
     ("data.dtype", DataConfig, "data.name", ("tokens",)),
-    ("data.on_decode_error", DataConfig, "data.name", ("text", "jsonl", "hf", "sft", "preference")),  # stdlib replaces
-    *((f"data.{key}", DataConfig, "data.name", ("sft",)) for key in _SFT_KEYS),
+    ("data.on_decode_error", DataConfig, "data.name", ("text", "jsonl", "hf", "sft", "preference", "prompts")),
+    *((f"data.{key}", DataConfig, "data.name", ("sft",)) for key in _SFT_KEYS if key != "prompt_field"),
+    ("data.prompt_field", DataConfig, "data.name", ("sft", "prompts")),
     ("data.truncation", DataConfig, "data.name", ("sft", "preference")),
     *((f"objective.{key}", ObjectiveConfig, "objective.name", ("dpo",)) for key in _DPO_KEYS),
     *((f"objective.{key}", ObjectiveConfig, "objective.name", ("token",)) for key in ("label_smoothing", "z_loss")),
@@ -63,10 +66,12 @@ _READ_ONLY_WHEN = (
     ("data.prompt_field", DataConfig, "data.format", ("auto", "prompt_completion")),
     ("data.completion_field", DataConfig, "data.format", ("auto", "prompt_completion")),
     ("data.val_percent", DataConfig, "data.val_paths", ([],)),
-    ("data.cache_dir", DataConfig, "data.name", ("text", "jsonl", "tokens", "hf", "sft", "preference")),  # not stdlib
+    ("data.cache_dir", DataConfig, "data.name", ("text", "jsonl", "tokens", "hf", "sft", "preference", "prompts")),
     ("optim.betas", OptimConfig, "optim.name", ("adamw",)),
     ("optim.min_lr_ratio", OptimConfig, "optim.schedule", ("cosine",)),
     ("optim.decay_steps", OptimConfig, "optim.schedule", ("cosine",)),
+    *((f"rl.{f.name}", RLConfig, "objective.name", ("grpo",)) for f in dataclasses.fields(RLConfig)),
+    *((f"reward.{f.name}", RewardConfig, "objective.name", ("grpo",)) for f in dataclasses.fields(RewardConfig)),
     ("logger.wandb.project", WandbConfig, "logger.wandb.mode", ("online", "offline")),
     ("logger.wandb.name", WandbConfig, "logger.wandb.mode", ("online", "offline")),
 )
@@ -144,6 +149,8 @@ def _validate_values(cfg: Any, world_size: int) -> int:
     if not 0 <= cfg.objective.z_loss < math.inf:
         raise ConfigError(f"objective.z_loss={cfg.objective.z_loss!r} must be a finite number >= 0")
     _validate_objective(cfg.objective, _data_kind(cfg.data))
+    if cfg.objective.name == "grpo":
+        validate_rl(cfg, world_size)
     batch = cfg.batch
     if rows_vary(batch):
         if batch.micro_tokens is not None and batch.micro_tokens < batch.seq_len:
@@ -399,12 +406,12 @@ def _validate_data(data: Any) -> None:
                               f"(ids < {max_id}); use data.dtype=uint32")
     elif data.eod_token is not None or data.index is not None:
         raise ConfigError(f"data.eod_token / data.index apply to data=tokens only, not data={data.name}")
-    if data.name in ("sft", "preference") and data.tokenizer == "byte":
+    if data.name in ("sft", "preference", "prompts") and data.tokenizer == "byte":
         raise ConfigError(f"data={data.name} needs a real tokenizer with an EOS token and a chat template, not "
                           "data.tokenizer=byte: model=hf's own (data.tokenizer=null) or "
                           "data.tokenizer=<dir>/tokenizer.json")
-    if data.name not in ("sft", "preference") and data.chat_template is not None:
-        raise ConfigError(f"data.chat_template applies to data=sft and data=preference only, not data={data.name}")
+    if data.name not in ("sft", "preference", "prompts") and data.chat_template is not None:
+        raise ConfigError(f"data.chat_template applies to data=sft, preference and prompts only, not data={data.name}")
 
 
 def _validate_objective(objective: Any, data_name: str) -> None:
@@ -412,6 +419,9 @@ def _validate_objective(objective: Any, data_name: str) -> None:
     if (objective.name == "dpo") != (data_name == "preference"):
         raise ConfigError(f"objective={objective.name} with data={data_name}: objective=dpo trains on preference pairs "
                           "and data=preference is trained with objective=dpo; use both, or neither")
+    if (objective.name == "grpo") != (data_name == "prompts"):
+        raise ConfigError(f"objective={objective.name} with data={data_name}: objective=grpo trains on rollouts of "
+                          "prompts and data=prompts is trained with objective=grpo; use both, or neither")
     if not 0 < objective.beta < math.inf:
         raise ConfigError(f"objective.beta={objective.beta!r} must be a finite number > 0")
 
@@ -545,3 +555,60 @@ def refuse_repeated_sources(overrides: list[str]) -> None:
         if repeated:
             raise ConfigError(f"data.sources names {', '.join(repeated)} more than once: each source needs a name of "
                               "its own (the mapping would keep only the last one)")
+
+
+def validate_rl(cfg: Any, world_size: int) -> None:
+    """objective=grpo: rl.* and reward.* (a reward path's import is checked by the builder, before
+    the run dir is written: ddptrain/rl/rewards.py)."""
+    rl, reward, batch = cfg.rl, cfg.reward, cfg.batch
+    if not rl.group_size >= 2:
+        raise ConfigError(f"rl.group_size={rl.group_size!r} must be >= 2: a group's advantages are its rewards "
+                          "less the group's mean, so a group of one has no advantage to learn from")
+    if not rl.max_new_tokens >= 1:
+        raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens!r} must be >= 1")
+    if not rl.max_new_tokens < batch.seq_len:
+        raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} must be < batch.seq_len={batch.seq_len}: a "
+                          "prompt and its completion share one sequence of batch.seq_len tokens")
+    if not 0 < rl.temperature <= 2:
+        raise ConfigError(f"rl.temperature={rl.temperature!r} must be in (0, 2]: rollouts are sampled")
+    if not 0 < rl.top_p <= 1:
+        raise ConfigError(f"rl.top_p={rl.top_p!r} must be in (0, 1]")
+    stops = list(rl.stop)
+    if len(stops) > 4 or not all(isinstance(stop, str) and stop for stop in stops):
+        raise ConfigError(f"rl.stop={stops!r} must be a list of at most 4 non-empty strings")
+    if not 0 <= rl.epsilon < 1:
+        raise ConfigError(f"rl.epsilon={rl.epsilon!r} must be in [0, 1)")
+    if rl.epsilon_high is not None and not 0 <= rl.epsilon_high < math.inf:
+        raise ConfigError(f"rl.epsilon_high={rl.epsilon_high!r} must be a finite number >= 0, or null (rl.epsilon)")
+    if not 0 <= rl.beta < math.inf:
+        raise ConfigError(f"rl.beta={rl.beta!r} must be a finite number >= 0")
+    if not rl.updates_per_rollout >= 1:
+        raise ConfigError(f"rl.updates_per_rollout={rl.updates_per_rollout!r} must be >= 1")
+    if batch.global_size % world_size:
+        raise ConfigError(f"batch.global_size={batch.global_size} prompts must be divisible by the world size "
+                          f"{world_size}: each rank generates whole groups for an equal share of the prompts")
+    if rl.updates_per_rollout > batch.global_size:
+        raise ConfigError(f"rl.updates_per_rollout={rl.updates_per_rollout} must be <= batch.global_size="
+                          f"{batch.global_size}: each update takes its own part of the step's prompts")
+    evaluation = {"trainer.eval_every": cfg.trainer.eval_every, "trainer.eval_tasks": list(cfg.trainer.eval_tasks),
+                  "trainer.early_stopping.metric": cfg.trainer.early_stopping.metric,
+                  "checkpoint.keep_best": cfg.checkpoint.keep_best}
+    for key, value in evaluation.items():
+        if value:
+            raise ConfigError(f"{key}={value!r}: objective=grpo has no validation split to evaluate (its metrics are "
+                              "the rollouts' rewards, in metrics.jsonl); leave it unset")
+    functions = list(reward.functions)
+    if not functions:
+        raise ConfigError("reward.functions is empty: objective=grpo needs at least one reward function, e.g. "
+                          "reward.functions=[exact_match] or reward.functions=[my_rewards:correct]")
+    for name in functions:
+        if not isinstance(name, str) or (name not in choices.BUILTIN_REWARDS and ":" not in name):
+            raise ConfigError(f"reward.functions: {name!r} is neither a built-in reward "
+                              f"({', '.join(choices.BUILTIN_REWARDS)}) nor a `module:function` path")
+    if reward.weights is not None:
+        weights = list(reward.weights)
+        if len(weights) != len(functions):
+            raise ConfigError(f"reward.weights={weights} has {len(weights)} weight(s) for {len(functions)} "
+                              f"reward.functions {functions}: give one per function, or null (1 each)")
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
+            raise ConfigError(f"reward.weights={weights} must be finite numbers")

@@ -113,32 +113,38 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self, microbatches: Sequence[Microbatch], max_microbatches: int | None = None) -> StepStats:
+    def step(self, microbatches: Sequence[Microbatch], max_microbatches: int | None = None,
+             objective=None) -> StepStats:
         """One optimizer step over this rank's microbatches of the global batch.
 
         Every rank must call it once per step; ranks may hold different numbers of microbatches
         (even none). Nothing here waits for the device unless `nonfinite="stop"` or a strategy
         that communicates in every microbatch is not told `max_microbatches` (the most any rank
-        holds this step: the trainer knows it from the global layout).
+        holds this step: the trainer knows it from the global layout). `objective`: this step's,
+        instead of the engine's (GRPO's settings come with each call of rl.update).
         """
         clock = PhaseClock()
+        objective = objective if objective is not None else self.objective
         positions = [self._valid_positions(targets) for _, targets in microbatches]
         microbatches = [self._to_device(inputs, targets) for inputs, targets in microbatches]
-        counts, wait_for_counts = self._count_tokens(microbatches)
-        microbatches, fillers = self._with_fillers(microbatches, counts, wait_for_counts, max_microbatches, clock)
+        counts, wait_for_counts = self._count_tokens(microbatches, objective)
+        microbatches, fillers = self._with_fillers(microbatches, counts[objective.counts - 1:], wait_for_counts,
+                                                   max_microbatches, clock, objective)
         positions += [_NO_POSITIONS] * (len(microbatches) - len(positions))  # fillers: no valid target
-        loss_sum = self._forward_backward(microbatches, positions, counts[0], wait_for_counts, clock)
+        denominator = lambda: objective.denominator(counts[:objective.counts])  # noqa: E731 (after the wait)
+        loss_sum = self._forward_backward(microbatches, positions, denominator, wait_for_counts, clock, objective)
         with clock.phase("optimizer"):
             grad_norm, applied = self._finish(counts[0])
         loss_wait = self._start_loss_reduce(loss_sum)
         stats = StepStats(tokens=counts[0], grad_norm=grad_norm, skipped=~applied, loss_sum=loss_sum, wait=loss_wait,
-                          filler_microbatches=fillers, metric_names=self.objective.metric_names)
+                          filler_microbatches=fillers, metric_names=objective.metric_names,
+                          denominator=denominator() if objective.counts > 1 else None)
         if self.nonfinite == "stop" and stats.skipped and stats.tokens:
             raise FloatingPointError(f"non-finite gradient norm {stats.grad_norm} (loss {stats.loss}); nonfinite='stop'")
         return clock.stamp(stats)
 
     def _with_fillers(self, microbatches: list[Microbatch], counts: torch.Tensor, wait_for_counts,
-                      max_microbatches: int | None, clock: PhaseClock) -> tuple[list[Microbatch], int]:
+                      max_microbatches: int | None, clock: PhaseClock, objective) -> tuple[list[Microbatch], int]:
         """Pad with filler microbatches where the strategy needs every rank in every microbatch
         (and give a rank without any one filler, so it still joins the gradient reduction)."""
         if self.strategy.communicates_every_microbatch and is_distributed():
@@ -154,23 +160,24 @@ class Engine:
             fillers = missing = 0 if microbatches else 1
         if fillers:
             inputs, targets = microbatches[0] if microbatches else self._template or _TOKEN_IDS
-            microbatches = microbatches + [(filler_inputs(inputs), self.objective.filler(targets))] * fillers
+            microbatches = microbatches + [(filler_inputs(inputs), objective.filler(targets))] * fillers
         self._template = microbatches[0]
         return microbatches, missing
 
     def _forward_backward(self, microbatches: list[Microbatch], positions: list[torch.Tensor | None],
-                          global_tokens: torch.Tensor, wait_for_counts, clock: PhaseClock) -> torch.Tensor:
-        """Backward of each microbatch's objective sum / N_t, non-final ones without gradient sync;
-        returns this rank's loss sum. N_t = 0 backpropagates zeros and the update is masked."""
+                          global_denominator, wait_for_counts, clock: PhaseClock, objective) -> torch.Tensor:
+        """Backward of each microbatch's objective sum / N_t (the objective's denominator of the global
+        counts), non-final ones without gradient sync; returns this rank's loss sum. N_t = 0
+        backpropagates zeros and the update is masked."""
         # The objective's sums: the loss's, then any metrics' (DPO's rewards), all divided by the same count.
-        loss_sum = torch.zeros(self.objective.sums, dtype=torch.float64, device=self.device)
+        loss_sum = torch.zeros(objective.sums, dtype=torch.float64, device=self.device)
         for index, ((inputs, targets), valid) in enumerate(zip(microbatches, positions)):
             with self.strategy.microbatch_context(is_last=index == len(microbatches) - 1):
-                sums = self.token_sum(inputs, targets, valid_positions=valid)
+                sums = self.token_sum(inputs, targets, objective, valid_positions=valid)
                 if index == 0:  # the count's all-reduce overlapped the first forward; backward needs N_t
                     with clock.phase("comm"):
                         wait_for_counts()
-                    denominator = global_tokens.clamp_min(1)
+                    denominator = global_denominator()
                 loss_sum += sums.detach().double()
                 piece = sums.reshape(-1)[0]
                 piece = piece / denominator.to(piece.dtype)
@@ -206,15 +213,16 @@ class Engine:
 
     def _valid_positions(self, targets: torch.Tensor | PairTargets) -> torch.Tensor | None:
         """Where the targets are valid, found where they were made (the host, for the trainer's
-        batches: no device sync), for the chunked head; None without it, and for pairs, whose
-        objective finds them itself."""
+        batches: no device sync), for the chunked head; None without it, and for an objective's own
+        targets (pairs, completions), whose objective finds them itself."""
         return valid_positions_of(targets) if self.chunked_head and isinstance(targets, torch.Tensor) else None
 
     def _head_loss(self, targets: torch.Tensor | PairTargets, objective, valid_positions: torch.Tensor | None):
-        """The head-loss callable of one microbatch: head + objective on its valid targets. Pairs'
-        objectives are not sums over tokens (a pair's loss is a function of its sequences' sums), so
-        they bring their own (DPOObjective.head_loss)."""
-        if not isinstance(targets, torch.Tensor):  # pairs, sourced targets: their objective's own
+        """The head-loss callable of one microbatch: head + objective on its valid targets. The
+        objectives of their own targets are not plain sums over tokens (a pair's loss is a function
+        of its sequences' sums; GRPO's token weights and ratios come with its targets), so they bring
+        their own (DPOObjective.head_loss, GRPOObjective.head_loss)."""
+        if not isinstance(targets, torch.Tensor):
             return objective.head_loss(targets, self._chunk_tokens(targets.tokens))
         return HeadLoss(targets, objective, self._chunk_tokens(targets), valid_positions)
 
@@ -226,14 +234,15 @@ class Engine:
             inputs = inputs.to(self.device, non_blocking=non_blocking)
         return inputs, targets.to(self.device, non_blocking=non_blocking)  # a tensor, or the objective's (pairs)
 
-    def _count_tokens(self, microbatches: list[Microbatch]):
-        """Start the all-reduce of [valid tokens, microbatches of each rank] (one small SUM);
-        return (tensor, wait)."""
-        local = torch.zeros(1 + get_world_size(), dtype=torch.int64, device=self.device)
+    def _count_tokens(self, microbatches: list[Microbatch], objective):
+        """Start the all-reduce of [valid tokens (the objective's counts), microbatches of each rank]
+        (one small SUM); return (tensor, wait)."""
+        counted = objective.counts  # valid targets or pairs; GRPO: tokens, counted completions, completions
+        local = torch.zeros(counted + get_world_size(), dtype=torch.int64, device=self.device)
         for _, targets in microbatches:
-            local[0] += self.objective.count(targets)  # valid targets, or pairs (the objective says)
+            local[:counted] += objective.count(targets)
         # fill_, not `local[i] = n`: item assignment copies n from the host, a sync on CUDA
-        local.narrow(0, 1 + get_rank(), 1).fill_(len(microbatches))
+        local.narrow(0, counted + get_rank(), 1).fill_(len(microbatches))
         if not is_distributed():
             return local, lambda: None
         work = dist.all_reduce(local, op=dist.ReduceOp.SUM, async_op=True)

@@ -57,10 +57,17 @@ class Objective:
     sums = 1
     """How many sums a microbatch gives (the token loss's); other objectives (DPO) add metrics' sums after it."""
     metric_names = ()
+    counts = 1
+    """How many counts a microbatch gives (`count`), all-reduced before the first backward; the first
+    is the step's tokens, whose 0 skips the step."""
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         """What the step's mean divides by: the microbatch's valid targets."""
         return (targets != IGNORE_INDEX).sum()
+
+    def denominator(self, counts: torch.Tensor) -> torch.Tensor:
+        """The divisor of the step's sums from the global counts: N_t (1 when there is none)."""
+        return counts[0].clamp_min(1)
 
     def filler(self, targets: torch.Tensor) -> torch.Tensor:
         """A filler microbatch's targets: one position, ignored."""

@@ -104,6 +104,12 @@ class DPOObjective:
         """What the step's mean divides by: the microbatch's pairs."""
         return pairs.pairs
 
+    counts = 1
+
+    def denominator(self, counts: torch.Tensor) -> torch.Tensor:
+        """The divisor of the step's sums: P_t, the global pair count (1 when there is none)."""
+        return counts[0].clamp_min(1)
+
     def pair_sums(self, policy: torch.Tensor, pairs: PairTargets) -> torch.Tensor:
         """(1 + len(METRICS),) float64: the sum of the pairs' losses (the only one with a gradient), then
         the sums of the rewards, margins and accuracies."""
@@ -136,23 +142,34 @@ Head = Callable[[torch.Tensor], torch.Tensor]
 
 def head_sequence_logps(hidden: torch.Tensor, head: Head, pairs: PairTargets,
                         chunk_tokens: int | None = None) -> torch.Tensor:
-    """sequence_logps(head(hidden), pairs) from the last hidden states (B, T, D): the head runs on the valid
-    targets only, chunk_tokens rows at a time, each chunk's logits recomputed in backward (as
+    """sequence_logps(head(hidden), pairs) from the last hidden states (B, T, D), without the (B, T, V)
+    logits (head_target_logps)."""
+    logps, valid = head_target_logps(hidden, head, pairs.tokens, chunk_tokens)
+    return sum_by_sequence(logps, pairs.sequences.reshape(-1).index_select(0, valid), pairs.count)
+
+
+def head_target_logps(hidden: torch.Tensor, head: Head, targets: torch.Tensor, chunk_tokens: int | None = None,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs (N_valid,) of the valid targets under head(hidden) / temperature, their flat positions).
+
+    hidden: (B, T, D), the last hidden states; targets (B, T), -100 where ignored. The head runs on the
+    valid targets only, chunk_tokens rows at a time, each chunk's logits recomputed in backward (as
     ddptrain/engine/chunked.py does for token sums): no (B, T, V) tensor."""
-    flat_targets = pairs.tokens.reshape(-1)
+    flat_targets = targets.reshape(-1)
     valid = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
     valid_hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, valid)  # (N_valid, D)
     valid_targets = flat_targets.index_select(0, valid)
     chunk_tokens = chunk_tokens or chunk_rows(getattr(head, "out_features", None))
     chunks = zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))
-    pieces = [checkpoint(_head_logps, h, head, t, use_reentrant=False) if torch.is_grad_enabled() else
-              _head_logps(h, head, t) for h, t in chunks]
-    logps = torch.cat(pieces) if pieces else valid_hidden.new_zeros(0)
-    return sum_by_sequence(logps, pairs.sequences.reshape(-1).index_select(0, valid), pairs.count)
+    pieces = [checkpoint(_head_logps, h, head, t, temperature, use_reentrant=False) if torch.is_grad_enabled()
+              else _head_logps(h, head, t, temperature) for h, t in chunks]
+    return (torch.cat(pieces) if pieces else valid_hidden.new_zeros(0)), valid
 
 
-def _head_logps(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor) -> torch.Tensor:
-    return token_logps(head(hidden_chunk), target_chunk)  # (C, V) logits alive only in here
+def _head_logps(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,
+                temperature: float = 1.0) -> torch.Tensor:
+    logits = head(hidden_chunk)  # (C, V) logits alive only in here
+    return token_logps(logits if temperature == 1.0 else logits / temperature, target_chunk)
 
 
 class PairHeadLoss:

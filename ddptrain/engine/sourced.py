@@ -23,6 +23,7 @@ class SourcedObjective:
     """`base`'s per-token loss over SourcedTargets: sums (total, source 0, ..., source K-1)."""
 
     metric_names = ()  # the per-source sums are read by the trainer, over per-source counts
+    counts = 1  # N_t, the valid targets of every source: the one mean the step minimises
 
     def __init__(self, base: Objective, sources: int):
         self.base, self.sources = base, sources
@@ -30,6 +31,9 @@ class SourcedObjective:
 
     def count(self, targets: SourcedTargets) -> torch.Tensor:
         return self.base.count(targets.tokens)
+
+    def denominator(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.base.denominator(counts)
 
     def filler(self, targets) -> SourcedTargets:
         return SourcedTargets.empty(targets.tokens if isinstance(targets, SourcedTargets) else targets, self.sources)

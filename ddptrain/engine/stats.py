@@ -24,8 +24,10 @@ class StepStats:
     """The same numbers on every rank. Built from plain numbers, or from device tensors (the Engine)."""
 
     def __init__(self, loss=math.nan, tokens=0, grad_norm=math.nan, skipped=False, *, loss_sum=None,
-                 wait: Callable[[], None] | None = None, filler_microbatches: int = 0, metric_names=()):
+                 wait: Callable[[], None] | None = None, filler_microbatches: int = 0, metric_names=(),
+                 denominator=None):
         self._loss, self._tokens, self._grad_norm, self._skipped = loss, tokens, grad_norm, skipped
+        self._denominator = denominator  # what the sums are divided by, where it is not `tokens` (GRPO)
         self._loss_sum = loss_sum  # global sum of token losses (then the metrics' sums), once `wait` has run
         self._metric_names = tuple(metric_names)
         self._metrics: dict[str, float] = {}
@@ -58,8 +60,7 @@ class StepStats:
         if self._loss_sum is None:
             return _number(self._loss)
         self._reduced()
-        tokens = self.tokens
-        return float(self._loss_sum.reshape(-1)[0]) / tokens if tokens else math.nan
+        return float(self._loss_sum.reshape(-1)[0]) / self._divisor() if self.tokens else math.nan
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -67,7 +68,7 @@ class StepStats:
         if self._metric_names and not self._metrics:
             self._reduced()
             sums = self._loss_sum.reshape(-1)[1:].tolist()
-            self._metrics = {name: value / self.tokens if self.tokens else math.nan
+            self._metrics = {name: value / self._divisor() if self.tokens else math.nan
                              for name, value in zip(self._metric_names, sums)}
         return self._metrics
 
@@ -79,6 +80,10 @@ class StepStats:
             return []
         self._reduced()
         return self._loss_sum.reshape(-1)[1:].tolist()
+
+    def _divisor(self) -> float:
+        """The global mean's divisor: N_t, or the objective's denominator (GRPO's loss aggregations)."""
+        return self.tokens if self._denominator is None else float(self._denominator)
 
     def _reduced(self) -> None:
         """Wait for the loss all-reduce (once)."""
@@ -107,6 +112,7 @@ class StepStats:
         """Pickled (sent between processes) as plain numbers: reading them waits for the device."""
         state = dict(self.__dict__)
         state.update(_loss=self.loss, _metrics=self.metrics, _metric_names=(), _loss_sum=None, _wait=None,
+                     _denominator=None,
                      _tokens=self.tokens, _grad_norm=_number(self._grad_norm), _skipped=self.skipped,
                      _fillers=self.filler_microbatches)
         return state

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from ddptrain.serving.generation import Completion, RequestError, check_text
+from ddptrain.generation.generator import Completion, RequestError, check_text
 
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = ("role", "content")

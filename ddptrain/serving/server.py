@@ -5,7 +5,7 @@
     GET  /health               200 {"status": "ok", ...} while the decoding loop runs, else 503
     GET  /v1/models            the one model served
 
-The decoding loop is transformers' continuous batching (ddptrain.serving.generation.Generator) and the HTTP
+The decoding loop is transformers' continuous batching (ddptrain.generation.generator.Generator) and the HTTP
 stack is the one `transformers serve` uses (FastAPI on uvicorn, the `transformers[serving]`
 extra); transformers' own server is not used because, with --continuous-batching, it keeps the
 first request's temperature and top_p for every later request, ignores `stop`, answers
@@ -31,10 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+from ddptrain.generation.generator import (Completion, GenerationError, Generator, QueueFull, RequestError,
+                                           SamplingParams, quiet_transformers)
 from ddptrain.serving.access import API_KEY_ENV, AccessError, RequireApiKey, describe_access, resolve_api_key
 from ddptrain.serving.messages import RENDERED, ChatBodies, ChatTemplate, check_messages
-from ddptrain.serving.generation import (Completion, GenerationError, Generator, QueueFull, RequestError, SamplingParams,
-                                       quiet_transformers)
 
 log = logging.getLogger(__name__)
 

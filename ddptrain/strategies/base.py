@@ -52,6 +52,9 @@ class Strategy(abc.ABC):
     the output head as often as the others, so the chunked head runs the valid targets of a
     microbatch in one chunk (the count of valid targets differs between ranks, the count of
     microbatches does not)."""
+    shards_weights: ClassVar[bool] = False
+    """True when no rank holds the whole model between steps (fsdp, zero3): generating from the
+    policy (RL rollouts) then needs its full weights gathered into a copy (`model_state_dict`)."""
     supported_precisions: ClassVar[tuple[str, ...]] = PRECISIONS
 
     @dataclass

@@ -627,3 +627,4 @@ class ZeRO3(DeepSpeedStrategy):
     name, stage = "zero3", 3
     communicates_every_microbatch = True
     gathers_per_module_call = True  # its hooks gather a module's partitioned weights on each call
+    shards_weights = True

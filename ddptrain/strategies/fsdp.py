@@ -49,6 +49,7 @@ def default_shard_modules(model: nn.Module) -> set[str]:
 class FSDPStrategy(Strategy):
     name = "fsdp"
     communicates_every_microbatch = True
+    shards_weights = True
 
     Options = FSDPOptions
 

@@ -25,6 +25,7 @@ from ddptrain.config.validation import strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
 from ddptrain.data.mixed import MixtureSplits, SourceLabels, load_mixture, mixture_training_examples
 from ddptrain.data.mixture import MixturePlan
+from ddptrain.data.prompts import PromptBatches, PromptSet, load_prompts
 from ddptrain.distributed import DistInfo, pick_device, raise_on_every_rank
 from ddptrain.engine.chunked import chunk_rows
 from ddptrain.engine.engine import Engine
@@ -37,7 +38,9 @@ from ddptrain.models.spec import ModelError, ModelSpec, check_output_contract, h
 from ddptrain.models.compiling import compile_model
 from ddptrain.models.lora import is_adapted
 from ddptrain.models.kernel_check import kernel_problem
-from ddptrain.strategies import check_strategy_config
+from ddptrain.rl.rewards import Rewards
+from ddptrain.rl.step import GRPOStep, generation_copy_of, rollout_layout
+from ddptrain.strategies import check_strategy_config, strategy_class
 from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.reference import Reference, frozen_copy, precompute
 
@@ -48,9 +51,11 @@ log = logging.getLogger(__name__)
 class Built:
     """What a run is made of."""
 
-    data: DataSplits
-    batches: TrainBatches
-    """This rank's microbatches of every step (the global-batch plan is the same on every rank)."""
+    data: DataSplits | PromptSet
+    """The tokenized splits; objective=grpo: the prompts."""
+    batches: TrainBatches | PromptBatches
+    """This rank's microbatches (objective=grpo: prompts) of every step (the global-batch plan is the same on
+    every rank)."""
     model: nn.Module
     """The unwrapped module (the engine holds the wrapped one)."""
     spec: ModelSpec
@@ -60,6 +65,8 @@ class Built:
     engine: Engine
     reference: Reference | None = None
     """objective=dpo: what fills each microbatch's reference log-probs before the step."""
+    rl: GRPOStep | None = None
+    """objective=grpo: each step's rollouts and update (ddptrain/rl/step.py)."""
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> None:
@@ -230,6 +237,8 @@ def validate_run(cfg: TrainConfig, world_size: int) -> int:
                               **strategy_options(cfg.strategy), **step_layout(cfg, world_size))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if cfg.objective.name == "grpo":
+        Rewards(cfg.reward)  # a reward path that does not import is a ConfigError before anything is written
     return accumulation
 
 
@@ -284,11 +293,25 @@ def keep_sdpa_off_cudnn_if_shapes_change(batches: TrainBatches, max_steps: int, 
     return True
 
 
+def build_engine(cfg: TrainConfig, dist_info: DistInfo, model: nn.Module, optimizer, scheduler, save_frozen: bool,
+                 device: torch.device, precision: str | None, nonfinite: str | None, sources: int = 1) -> Engine:
+    """The Engine over the model under the configured strategy (`precision`, `nonfinite`: None for the run's;
+    `sources`: a mixture's, whose per-source loss sums the objective adds)."""
+    return Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
+                  precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
+                  device=device, objective=objective_of(cfg, sources),
+                  strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
+                  save_frozen=save_frozen, chunked_head=cfg.trainer.chunked_head,
+                  head_chunk_tokens=cfg.trainer.head_chunk_tokens)
+
+
 def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None = None, precision: str | None = None,
           nonfinite: str | None = None, prepare: Callable[[nn.Module], None] | None = None) -> Built:
     """Everything a run needs, from a validated config. `device`, `precision` and `nonfinite`
     default to the run's; `prepare(model)` runs after the model is built and before the engine
     wraps it (verify turns dropout off and copies the initial weights there)."""
+    if cfg.objective.name == "grpo":
+        return build_grpo(cfg, dist_info, device=device, precision=precision, nonfinite=nonfinite, prepare=prepare)
     resolve_tokenizer(cfg)
     layout = resolve_layout(cfg)
     if layout is not None:
@@ -309,12 +332,8 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
     optimizer, scheduler = optimizer_and_schedule(cfg, model)
     # DPO's reference: the LoRA base (the adapter disabled), else the initial weights, copied before training.
     frozen = frozen_copy(model, cfg.strategy.name) if cfg.objective.name == "dpo" and not is_adapted(model) else None
-    engine = Engine(model, optimizer, cfg.strategy.name, grad_clip=cfg.trainer.grad_clip, lr_scheduler=scheduler,
-                    precision=precision or cfg.trainer.precision, nonfinite=nonfinite or cfg.trainer.nonfinite,
-                    device=run_device, objective=objective_of(cfg, len(data.names) if isinstance(data, MixtureSplits) else 1),
-                    strategy_options={**strategy_options(cfg.strategy), **step_layout(cfg, dist_info.world_size)},
-                    save_frozen=adapter.saves_frozen_weights(spec), chunked_head=cfg.trainer.chunked_head,
-                    head_chunk_tokens=cfg.trainer.head_chunk_tokens)
+    engine = build_engine(cfg, dist_info, model, optimizer, scheduler, adapter.saves_frozen_weights(spec), run_device,
+                          precision, nonfinite, sources=len(data.names) if isinstance(data, MixtureSplits) else 1)
     reference = Reference(engine, model, frozen) if cfg.objective.name == "dpo" else None
     if cfg.objective.precompute_reference:  # once, from the initial weights (a resume rebuilds them)
         splits = {"train": data.train, "val": data.val}
@@ -322,3 +341,36 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
                                                    dist_info, cfg.data.cache_dir)
         reference.drop_frozen_copy()  # every pair carries its log-probs now
     return Built(data, batches, model, spec, adapter, optimizer, scheduler, engine, reference)
+
+
+def build_grpo(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None = None,
+               precision: str | None = None, nonfinite: str | None = None,
+               prepare: Callable[[nn.Module], None] | None = None) -> Built:
+    """objective=grpo: the prompts and their plan, the policy, the engine and the step that generates,
+    scores and trains (ddptrain/rl/step.py). Sharded strategies (fsdp, zero3) get an unsharded copy of
+    the policy for generation, made before the strategy wraps the policy."""
+    started = time.perf_counter()
+    rewards = Rewards(cfg.reward)
+    prompts = load_prompts(cfg.data, cfg.batch.seq_len, cfg.rl.max_new_tokens)
+    log.info("data: %d prompts, %.1fs", len(prompts), time.perf_counter() - started)
+    batches = PromptBatches(prompts, cfg.batch.global_size, cfg.run.seed, dist_info.rank, dist_info.world_size)
+    run_device = device or dist_info.device
+    sample = torch.tensor([prompts[0].ids])
+    model, spec, adapter = build_model(cfg, prompts.vocab_size, run_device, precision or cfg.trainer.precision,
+                                       sample_inputs=sample)
+    if prepare is not None:
+        prepare(model)
+    optimizer, scheduler = optimizer_and_schedule(cfg, model)
+    generation_copy = generation_copy_of(model) if strategy_class(cfg.strategy.name).shards_weights else None
+    # rl.beta > 0: the KL's reference, as DPO's: the LoRA base (the adapter disabled), else the initial weights.
+    frozen = frozen_copy(model, cfg.strategy.name) if cfg.rl.beta > 0 and not is_adapted(model) else None
+    engine = build_engine(cfg, dist_info, model, optimizer, scheduler, adapter.saves_frozen_weights(spec), run_device,
+                          precision, nonfinite)
+    if generation_copy is not None:
+        generation_copy.to(run_device)
+        log.info("rollouts: strategy=%s shards the policy, so each rollout phase gathers its full weights into a "
+                 "generation copy (%d parameters on every rank)", cfg.strategy.name,
+                 sum(p.numel() for p in generation_copy.parameters()))
+    reference = Reference(engine, model, frozen) if cfg.rl.beta > 0 else None
+    step = GRPOStep(cfg, engine, model, prompts.tokenizer, rewards, rollout_layout(cfg), reference, generation_copy)
+    return Built(prompts, batches, model, spec, adapter, optimizer, scheduler, engine, rl=step)

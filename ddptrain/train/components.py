@@ -36,6 +36,8 @@ class StepEnd:
     """The trainer's running counters for a metrics line (tokens seen, skipped steps, ...), read when called."""
     val_loss: float | None = None
     """Set by the evaluator on its steps."""
+    rollout: dict = field(default_factory=dict)
+    """objective=grpo: the step's rollout metrics (reward, completion lengths, phase times), set by the loop."""
     evals: dict = field(default_factory=dict)
     """Other evaluated metrics of this step by name (eval/<task>/acc, ...), set by the task scorer on its steps."""
     stop: str | None = None

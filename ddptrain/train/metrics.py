@@ -231,6 +231,7 @@ class MetricsLogger:
                   "grad_norm": stats.grad_norm, **stats.metrics, **self.window.summary(), **end.counters()}
         if end.val_loss is not None:
             record["val_loss"] = end.val_loss
+        record.update(end.rollout)  # objective=grpo: reward, completion lengths, ...
         record.update(end.evals)  # eval/<task>/acc, ...: the task scorer's
         self.log(record)
         end.record = record  # for the trackers after this component
@@ -280,7 +281,8 @@ def exit_code_of_current_exception() -> int:
 
 _FORMATS = (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
             ("tokens", "{:d}"), ("tokens_per_second", "{:,.0f}"), ("flops_per_second", "{:.3g}"), ("mfu", "{:.1%}"),
-            ("padding_efficiency", "{:.1%}"), ("valid_target_fraction", "{:.1%}"))
+            ("padding_efficiency", "{:.1%}"), ("valid_target_fraction", "{:.1%}"), ("reward", "{:.3f}"),
+            ("completion_length", "{:.1f}"))
 
 
 def format_line(metrics: dict, step_suffix: str = "") -> str:

@@ -9,6 +9,7 @@ import torch
 
 from ddptrain.config.schema import TrainConfig
 from ddptrain.distributed import DistInfo, env_local_world_size, env_node_count, is_rank_zero
+from ddptrain.generation.batch import KV_CACHE_MB
 from ddptrain.models.spec import num_parameters
 from ddptrain.train.builder import Built, describe_layout
 from ddptrain.train.metrics import MetricsLogger
@@ -67,3 +68,26 @@ def log_memory_plan(cfg: TrainConfig, dist_info: DistInfo) -> None:
         return
     for line in format_plan(plans, counts, layout, memory, details=False).splitlines():
         log.info("%s", line)
+
+
+def log_rl_summary(cfg: TrainConfig, dist_info: DistInfo, built: Built, step: int) -> None:
+    """objective=grpo's start-up lines: the world, the layout in prompts and completions, the model."""
+    rl, batch = cfg.rl, cfg.batch
+    log.info("world: %d rank(s) on %d node(s) | strategy: %s | precision %s", dist_info.world_size,
+             env_node_count(), cfg.strategy.name, cfg.trainer.precision)
+    log.info("grpo: %d prompts per step x %d completions of <= %d tokens (temperature %g, top_p %g), %d prompts "
+             "per rank | loss %s, scale_rewards %s, %d update(s) per rollout", batch.global_size, rl.group_size,
+             rl.max_new_tokens, rl.temperature, rl.top_p, batch.global_size // dist_info.world_size,
+             rl.loss_aggregation, rl.scale_rewards, rl.updates_per_rollout)
+    parameters = num_parameters(built.model)
+    log.info("model: %s (%s), %d parameters (%.2fM) | rewards: %s | %d prompts", built.spec.class_name,
+             built.spec.kind, parameters, parameters / 1e6, ", ".join(built.rl.rewards.names), len(built.data))
+    if is_rank_zero():
+        log_memory_plan(cfg, dist_info)
+    copy = built.rl.generation_copy
+    copy_mib = sum(p.numel() * p.element_size() for p in copy.parameters()) / 2**20 if copy is not None else 0.0
+    log.info("memory plan, rollouts: + %.1f MiB per rank for the policy's generation copy (%s), + at most %.0f MiB of "
+             "paged KV cache while generating", copy_mib,
+             f"strategy={cfg.strategy.name} shards the policy" if copy is not None else "none: the policy generates",
+             KV_CACHE_MB)
+    log.info("run dir: %s | steps %d..%d", Path(cfg.run.dir).resolve(), step, cfg.trainer.max_steps)

@@ -46,7 +46,7 @@ from ddptrain.train.flops import ModelFlops, device_peak_flops
 from ddptrain.train.metrics import (MetricsLogger, ThroughputWindow, exit_code_of_current_exception,
                                    peak_memory_bytes)
 from ddptrain.train.preemption import Preempted, PreemptionWatcher
-from ddptrain.train.summary import log_summary
+from ddptrain.train.summary import log_rl_summary, log_summary
 from ddptrain.train.tasks import TaskScorer
 from ddptrain.train.trackers import trackers_from_config
 
@@ -135,7 +135,10 @@ class Trainer:
             self.state.load_state_dict(saved)
         if self.step < cfg.trainer.max_steps:  # with nothing left to do, config.yaml stays what the run trained with
             self.run_dir.write_config()  # the launch is accepted
-        self.evaluator = Evaluator.from_config(self.built.data.val, cfg, self.dist, self.engine, self.built.reference)
+        if self.built.rl is not None:  # objective=grpo: its step's counter resumes with the run
+            self.built.rl.load_state_dict(saved.get("rl") if saved else None)
+        self.evaluator = Evaluator.from_config(self.built.data.val, cfg, self.dist, self.engine,
+                                               self.built.reference) if self.built.rl is None else None
         peak_flops = device_peak_flops(self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops)
         window = ThroughputWindow(ModelFlops.of_module(self.built.model, self.engine.chunked_head), peak_flops,
                                   self.dist.world_size)
@@ -144,12 +147,18 @@ class Trainer:
         self.preemption = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device,
                                             grace_s=cfg.checkpoint.preempt_grace_s,
                                             check_every=cfg.checkpoint.preempt_check_every)
-        self._build_evaluation(saved)
+        if self.evaluator is not None:
+            self._build_evaluation(saved)
+        else:  # objective=grpo: no validation split (config/validation.py refuses evaluation keys)
+            self.trackers = trackers_from_config(cfg, self.step if saved else None)
         # The order is what each leaves for the next: the eval's numbers go to the stopping rules and
         # the metrics line, the metrics line to the trackers.
-        evaluation = [part for part in (self.tasks, self.stopping, self.best) if part is not None]
-        self.components = [self.evaluator, *evaluation, self.metrics, self.checkpointer, *self.trackers]
-        log_summary(cfg, self.dist, self.built, self.metrics, self.step, sampled=self.train_batches.examples)
+        evaluation = [part for part in (self.evaluator, self.tasks, self.stopping, self.best) if part is not None]
+        self.components = [*evaluation, self.metrics, self.checkpointer, *self.trackers]
+        if self.built.rl is None:
+            log_summary(cfg, self.dist, self.built, self.metrics, self.step, sampled=self.train_batches.examples)
+        else:
+            log_rl_summary(cfg, self.dist, self.built, self.step)
         return self
 
     def _build_evaluation(self, saved: dict) -> None:
@@ -190,7 +199,8 @@ class Trainer:
         """Step after step up to trainer.max_steps; after each, every component does what its schedule
         says, off the preemption watchdog's clock, and the preemption decides whether the ranks stop."""
         max_steps = self.cfg.trainer.max_steps
-        with Prefetcher(self.train_batches, max_steps, pin_memory_available(self.dist.device)) as batches:
+        pin = pin_memory_available(self.dist.device) and self.built.rl is None  # GRPO's steps take prompts
+        with Prefetcher(self.train_batches, max_steps, pin) as batches:
             while self.step < max_steps and not self._stopped_early():
                 end = self._train_step(batches)
                 self.preemption.at_step_end(end, saves=self.checkpointer.saves(end.step))  # before the saves
@@ -224,6 +234,8 @@ class Trainer:
         step, rank = self.step + 1, self.dist.rank
         lr = self.built.optimizer.param_groups[0]["lr"]  # the rate this step applies
         microbatches, data_wait_s = batches.get(self.step)
+        if self.built.rl is not None:
+            return self._rl_step(microbatches, data_wait_s, lr)
         most = max(len(micro) for micro in self.train_batches.layout(self.step))
         faults = self.faults.around_step(step, self.engine.model) if self.faults else contextlib.nullcontext()
         if self.built.reference is not None:  # objective=dpo: the reference's log-probs, without gradients
@@ -243,6 +255,19 @@ class Trainer:
         self._unread.append((step, stats))
         return StepEnd(step, step == self.cfg.trainer.max_steps, stats, lr,
                        counters=lambda: {**self._counters(), **self._mixture_figures(step, stats)})
+
+    def _rl_step(self, prompts: list, data_wait_s: float, lr: float) -> StepEnd:
+        """objective=grpo: this rank's prompts -> rollouts -> rewards -> advantages -> the update
+        (ddptrain/rl/step.py); its rollout metrics ride on the StepEnd to metrics.jsonl."""
+        step = self.step + 1
+        faults = self.faults.around_step(step, self.engine.model) if self.faults else contextlib.nullcontext()
+        with faults:
+            result = self.built.rl.step(self.step, prompts)
+        self.metrics.window.add(result.stats, data_wait_s, result.shapes, result.positions)
+        self.state.step = step
+        self._unread.append((step, result.stats))
+        return StepEnd(step, step == self.cfg.trainer.max_steps, result.stats, lr, counters=self._counters,
+                       rollout=result.metrics)
 
     def _read_steps(self) -> None:
         """Read the steps since the last read (this waits for the device): counters, skips, policies."""
@@ -300,6 +325,7 @@ class Trainer:
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "model_spec": self.built.spec.to_dict(),
             "fingerprint": self.fingerprint,  # compared on resume (ddptrain/runs/fingerprint.py)
+            "rl": self.built.rl.state_dict() if self.built.rl is not None else None,
             "evaluation": {"early_stopping": self.stopping.state_dict() if self.stopping else None,
                            "best": self.best.state_dict() if self.best else None},
         }

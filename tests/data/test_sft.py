@@ -520,7 +520,7 @@ def test_an_end_of_turn_marker_that_is_one_token_but_not_special_is_where_genera
     import asyncio
 
     from ddptrain.models.adapters import GPTAdapter, tokenizer_beside
-    from ddptrain.serving.generation import Generator, SamplingParams
+    from ddptrain.generation.generator import Generator, SamplingParams
     from ddptrain.serving.servable import servable_dir
     from ddptrain.runs.weights import save_final
 
@@ -810,7 +810,7 @@ def _chat_run(tmp_path, given_template: bool, *options: str):
 def _serves_the_chat_it_trained_on(served, tokenizer_dir, stops: list[int]) -> None:
     """`served` renders chats with MARKED and stops at `stops`, as serving reads the directory."""
     from ddptrain.serving.messages import ChatTemplate
-    from ddptrain.serving.generation import Generator
+    from ddptrain.generation.generator import Generator
 
     template = ChatTemplate.load(served)
     assert template.is_available, template.unavailable

@@ -32,7 +32,8 @@ import_optional("uvicorn")
 httpx = import_optional("httpx")
 
 import ddptrain  # noqa: E402
-from ddptrain.serving.generation import SEPARATOR, Generator, SamplingParams, _draw  # noqa: E402
+from ddptrain.generate import SEPARATOR  # noqa: E402
+from ddptrain.generation.generator import Generator, SamplingParams, _draw  # noqa: E402
 from ddptrain.serving.server import build_app  # noqa: E402
 from ddptrain.serving.servable import MARKER, byte_tokenizer, servable_dir  # noqa: E402
 from ddptrain.testing import free_port  # noqa: E402
@@ -243,7 +244,7 @@ def test_servable_dir_of_a_run_is_made_once_and_remade_when_the_weights_contents
 def test_a_damaged_servable_copy_is_rebuilt_and_a_truncated_model_directory_is_a_serve_error(run_dir, model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from ddptrain.serving.servable import ServableError
+    from ddptrain.generation.generator import ModelLoadError
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, symlinks=True)
@@ -262,7 +263,7 @@ def test_a_damaged_servable_copy_is_rebuilt_and_a_truncated_model_directory_is_a
     copied = tmp_path / "copied"  # a transformers directory served as it is: a truncated file is named
     shutil.copytree(servable_dir(run), copied)
     (copied / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ServableError, match=r"copied: its model cannot be loaded .*truncated or damaged"):
+    with pytest.raises(ModelLoadError, match=r"copied: its model cannot be loaded .*truncated or damaged"):
         Generator(copied, device="cpu")
 
 
@@ -712,7 +713,7 @@ def test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_no
     assert result.returncode == 0, result.stderr[-2000:]
     samples = [prompt + text_of(greedy_ids(model, prompt, 20)) for prompt in ("import ", "class Foo")]
     assert result.stdout.endswith(f"{samples[0]}\n{SEPARATOR}\n{samples[1]}\n"), result.stdout
-    from ddptrain.serving.generation import main
+    from ddptrain.generate import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([str(run_dir), "--prompt", "x" * 70])
@@ -783,7 +784,7 @@ def test_sampling_params_state_the_rule():
 
 
 def test_bad_device_and_cache_flags_are_clear_errors(run_dir, capsys):
-    from ddptrain.serving.generation import main as generate_main
+    from ddptrain.generate import main as generate_main
     from ddptrain.serving.server import main as serve_main
 
     bad = [(generate_main, ["--prompt", "x", "--device", "nonsense"], "--device='nonsense' is not a device"),

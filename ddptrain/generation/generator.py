@@ -1,9 +1,9 @@
-"""Continuous-batching generation for a trained model, and `python -m ddptrain.generate`.
+"""Continuous-batching generation: the server's decoding loop and the RL rollouts' generator.
 
 The scheduler, the paged KV cache and the decoding loop are transformers' own
 (`ContinuousBatchingManager`): every active sequence takes one decoding loop, a new request
 joins at the next iteration, and a finished one leaves at once. ddptrain adds what a server
-needs around it: request rules (`SamplingParams`, `Generator.prepare`), a bound on the
+and the rollouts need around it: request rules (`SamplingParams`, `Generator.prepare`), a bound on the
 requests in flight (`QueueFull`), cancellation, stop strings, and per-request sampling.
 
 Per-request sampling: transformers' manager draws every sampled token of a batch with one
@@ -17,14 +17,12 @@ manager's plain argmax.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import logging
 import math
 import os
 import secrets
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +33,6 @@ import torch
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4
-SEPARATOR = "-" * 40
-"""Printed between the samples of `python -m ddptrain.generate`."""
 MAX_SEED = 2**63 - 1
 
 
@@ -64,6 +60,10 @@ class QueueFull(RuntimeError):
 
 class GenerationError(RuntimeError):
     """The decoding loop failed this request (or died)."""
+
+
+class ModelLoadError(ValueError):
+    """A model directory's weights cannot be read (truncated or damaged)."""
 
 
 def _is_number(value) -> bool:
@@ -272,6 +272,37 @@ class Completion:
     async def text(self) -> str:
         return "".join([piece async for piece in self.deltas()])
 
+    async def token_ids(self) -> tuple[list[int], bool]:
+        """The generated token ids and whether max_tokens cut them (no end reached). An end-of-sequence
+        token that ends them is included; a stop string ends them after the token that completes it
+        (rollouts train on tokens, so the tokens are kept whole rather than the text cut)."""
+        tokenizer, stops = self.generator.tokenizer, self.params.stop
+        tokens: list[int] = []
+        try:
+            while True:
+                output = await self._outputs.get()
+                while not self._outputs.empty():  # each output holds all tokens so far
+                    output = self._outputs.get_nowait()
+                if output.error is not None:
+                    raise GenerationError(f"request {self.id} failed: {output.error}")
+                for token in output.generated_tokens[len(tokens):]:
+                    tokens.append(token)
+                    ended = token in self.generator.eos_token_ids
+                    if not ended and stops:  # the text so far held no stop string: a new one ends here
+                        text = tokenizer.decode(tokens, skip_special_tokens=True)
+                        ended = any(stop in text for stop in stops)
+                    if ended:
+                        self._finish("stop", len(tokens))
+                        return tokens, False
+                if output.is_finished():
+                    break
+            truncated = len(tokens) >= self.params.max_tokens
+            self._finish("length" if truncated else "stop", len(tokens))
+            return tokens, truncated
+        finally:
+            if not self._done:
+                self.cancel()
+
     @property
     def usage(self) -> dict:
         """Token counts as OpenAI reports them."""
@@ -310,33 +341,37 @@ def serving_device(flag: str | None) -> torch.device:
 
 def _load_model(model_dir: Path):
     """AutoModelForCausalLM of `model_dir`; weights that cannot be read (a truncated or damaged
-    model.safetensors) are a ServableError naming the directory, not safetensors' own exception."""
+    model.safetensors) are a ModelLoadError naming the directory, not safetensors' own exception."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
-
-    from ddptrain.serving.servable import ServableError
 
     try:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", local_files_only=True)
     except (SafetensorError, OSError, ValueError) as error:
-        raise ServableError(f"{model_dir}: its model cannot be loaded ({type(error).__name__}: "
-                            f"{str(error).splitlines()[0] if str(error) else 'no detail'}); a weights file is "
-                            "truncated or damaged: copy it again, or serve the run directory, whose servable/ "
-                            "copy is checked and rebuilt") from None
+        raise ModelLoadError(f"{model_dir}: its model cannot be loaded ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else 'no detail'}); a weights file is "
+                             "truncated or damaged: copy it again, or serve the run directory, whose servable/ "
+                             "copy is checked and rebuilt") from None
 
 
 class Generator:
-    """Transformers' continuous batching over one model directory (config.json + tokenizer.json).
+    """Transformers' continuous batching over one model: a directory (config.json + tokenizer.json)
+    or a live transformers module (the policy of an RL run: its weights as they are now).
 
     Args:
-        model_dir: a transformers directory; see ddptrain.serving.servable.servable_dir for run directories.
+        model: a transformers directory (see ddptrain.serving.servable.servable_dir for run
+            directories), or a transformers module (a peft model too: it generates with its adapter
+            on), used where it is, in whatever mode the caller keeps it.
+        tokenizer: a `tokenizers.Tokenizer`; for a directory, None reads its tokenizer.json.
+        eos_token_ids: the tokens that end a sequence; None takes the model's generation_config.
         max_active: sequences decoded together in one forward pass.
         max_queue: requests that may wait for a place beyond those; more raise QueueFull.
-        device: where the model runs ("cpu", "cuda", ...; default: cuda if available).
+        device: where a directory's model runs ("cpu", "cuda", ...; default: cuda if available);
+            a module stays on its own device.
         kv_cache_mb: upper bound of the paged KV cache (its default size fills free memory on CPU).
     """
 
-    def __init__(self, model_dir: str | Path, *, max_active: int = 32, max_queue: int = 256,
+    def __init__(self, model, *, tokenizer=None, eos_token_ids=None, max_active: int = 32, max_queue: int = 256,
                  device: str | None = None, kv_cache_mb: float = 1024.0):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
         from tokenizers import Tokenizer
@@ -345,21 +380,29 @@ class Generator:
             raise ValueError(f"max_active={max_active} must be >= 1 and max_queue={max_queue} >= 0")
         if not kv_cache_mb > 0 or math.isinf(kv_cache_mb):
             raise ValueError(f"kv_cache_mb={kv_cache_mb} must be a finite number of MiB > 0")
-        self.model_dir = Path(model_dir)
         self.max_active, self.max_queue, self.kv_cache_mb = max_active, max_queue, kv_cache_mb
-        self.device = serving_device(device)
-        self.model = _load_model(self.model_dir)
-        self.model.to(self.device).eval()
-        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        if isinstance(model, torch.nn.Module):
+            self.model_dir = None
+            self.model = model
+            self.device = next(model.parameters()).device
+            self.model_name = type(model).__name__
+        else:
+            self.model_dir = Path(model)
+            self.device = serving_device(device)
+            self.model = _load_model(self.model_dir)
+            self.model.to(self.device).eval()
+            resolved = self.model_dir.resolve()
+            self.model_name = resolved.parent.name if resolved.name == "servable" else resolved.name  # RUN_DIR/servable
+        self.tokenizer = tokenizer or Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.longest_token_chars = max(1, *(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)))
         """Characters of the vocabulary's longest token: no token covers more of a text."""
         config = self.model.config.get_text_config()
         self.context: int | None = (getattr(config, "max_position_embeddings", None)
                                     or getattr(config, "n_positions", None))
-        eos = self.model.generation_config.eos_token_id
-        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        resolved = self.model_dir.resolve()
-        self.model_name = resolved.parent.name if resolved.name == "servable" else resolved.name  # RUN_DIR/servable
+        if eos_token_ids is None:
+            eos = self.model.generation_config.eos_token_id
+            eos_token_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        self.eos_token_ids = set(eos_token_ids)
         self._requests: dict[str, Completion] = {}
         self._slots = itertools.count()
         self._manager = None
@@ -527,64 +570,3 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
-
-
-# -- python -m ddptrain.generate --------------------------------------------------------------------
-
-
-async def _generate(args) -> int:
-    from ddptrain.serving.servable import servable_dir
-
-    generator = Generator(servable_dir(args.path), max_active=len(args.prompt), device=args.device)
-    requests = []
-    for prompt in args.prompt:
-        check_text(prompt, "--prompt")
-        max_tokens = args.max_tokens
-        if max_tokens is None:  # as many as fit, at most 256
-            fits = generator.context - len(generator.tokenizer.encode(prompt).ids) if generator.context else 256
-            max_tokens = max(1, min(256, fits))
-        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, stop=tuple(args.stop))
-        requests.append((generator.prepare(prompt, params), params))
-    generator.start()
-    try:
-        completions = [generator.submit(ids, params, stream=False) for ids, params in requests]  # decoded together
-        texts = await asyncio.gather(*(c.text() for c in completions))
-    finally:
-        generator.close()
-    for index, (prompt, text) in enumerate(zip(args.prompt, texts)):
-        if index:
-            print(SEPARATOR)
-        print(prompt + text)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m ddptrain.generate",
-        description="Continue prompts with a trained model (the serving path: continuous batching, one loop).")
-    parser.add_argument("path", help="a ddptrain run directory or a transformers model directory")
-    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="tokens to generate per prompt (default: as many as the context holds, at most 256)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy; at most 2")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
-    parser.add_argument("--seed", type=int, default=None, help="seed of each prompt's sampling")
-    parser.add_argument("--stop", action="append", default=[], help="stop before this string (repeatable)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    args = parser.parse_args(argv)
-    from ddptrain.serving.servable import ServableError
-
-    quiet_transformers()
-    try:
-        sys.exit(asyncio.run(_generate(args)))
-    except RequestError as error:
-        print(f"generate error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except (ServableError, FileNotFoundError, ValueError) as error:
-        print(f"generate error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()
