@@ -73,6 +73,11 @@ COMMANDS = {
     "torchrun --standalone --nproc_per_node=2 -m benchmarks.bench":
         "not run: the same benchmark under torchrun; tests/test_benchmarks.py runs it with spawned ranks",
     "python -m benchmarks.bench_data": "tests/test_benchmarks.py::test_padding_benchmark_compares_the_three_layouts",
+    "python -m benchmarks.bench_data_scale --tokens 1e7,1e8,2e9 --baseline /path/to/an/older/checkout":
+        "tests/test_benchmarks.py::test_data_scale_benchmark_reports_load_and_steps",
+    "python -m benchmarks.bench_preprocess": "tests/test_benchmarks.py::test_preprocess_benchmark_reports_each_ranks_share",
+    "python -m benchmarks.bench_reference":
+        "tests/test_benchmarks.py::test_reference_benchmark_prints_the_whole_copy_beside_the_sharded_one_per_rank",
     "python -m benchmarks.bench_mixture":
         "tests/test_benchmarks.py::test_mixture_benchmark_prints_the_bookkeeping_beside_the_step",
     "python -m benchmarks.bench_attention [--seq-lens 256,1024,4096] [--rows 2] [--heads 4] [--head-dim 64]":
@@ -279,6 +284,9 @@ RUN_VERBATIM = {
 """Tests of this file that take their commands from README.md itself: name -> the commands they run."""
 
 UNTESTED = {
+    "python -m benchmarks.bench_data_scale --tokens 1e7,1e8,2e9 --baseline /path/to/an/older/checkout": {
+        "--baseline": "an older checkout is not at hand in the suite; the test runs this checkout's column only",
+    },
     "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1": {
         "export": "the test puts the variable in each agent's environment (ELASTIC_ENV) instead of exporting it",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1": "the same: a dict key \"TORCH_DISABLE_SHARE_RDZV_TCP_STORE\" "
