@@ -249,3 +249,36 @@ def test_eval_benchmark_prints_task_time_per_token_beside_the_validation_loss():
     out = _run("benchmarks.bench_eval", "--items", "8", "--val-examples", "4", "--rounds", "1", "--max-docs", "20")
     assert out.startswith("benchmarks.bench_eval: default GPT on cpu"), out
     assert "validation loss" in out and "\ntasks " in out and "(target <= 1)" in out, out
+
+
+def test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl():
+    from tests.real_model import smollm2_dir
+    from tests.real_text import wordnet_glosses
+
+    import_optional("trl")
+    smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
+    out = _run("benchmarks.bench_peer", "--mode", "dpo", "--real", "--contenders", "ddptrain-pack,trl",
+               "--finetune", "lora", "--rounds", "1", "--steps", "2", "--log-every", "1", "--pairs", "24",
+               "--global-batch", "4", "--micro", "2", "--seq-len", "128")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_peer --mode dpo --real: SmolLM2-135M-Instruct"), out
+    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2:] if line.strip()}
+    for name in ("ddptrain-pack", "trl"):
+        rate, peak, ratio, peak_ratio, per_round = (float(value.replace(",", "")) for value in rows[name])
+        assert rate > 0 and peak > 100 and ratio == per_round > 0 and peak_ratio > 0, out
+
+
+def test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step():
+    from tests.real_model import smollm2_dir
+    from tests.real_text import wordnet_glosses
+
+    smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
+    out = _run("benchmarks.bench_memory_lora", "--steps", "1", "--global-batch", "4", "--seq-len", "128",
+               "--layouts", "batch.micro_size=4;batch.micro_size=1")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_memory_lora: SmolLM2-135M-Instruct, LoRA r=16"), out
+    steps = [line for line in lines if line.strip().startswith("step 0:")]
+    assert len(steps) == 2, out
+    for line in steps:
+        peak, live = (int(re.search(rf"{key} ([\d,]+)", line)[1].replace(",", "")) for key in ("peak", "live"))
+        assert 0 < live <= peak, out
