@@ -57,9 +57,18 @@ def worker(args) -> None:
     for step in range(args.steps):
         microbatches = built.batches.microbatches(step)
         shapes = [tuple((inputs["idx"] if isinstance(inputs, dict) else inputs).shape) for inputs, _ in microbatches]
+        profiled = args.profile and step == args.steps - 1
+        if profiled:
+            from torch.profiler import ProfilerActivity, profile
+
+            profiler = profile(activities=[ProfilerActivity.CPU])
+            profiler.__enter__()
         started = time.process_time()
         built.engine.step(microbatches)
         seconds = time.process_time() - started
+        if profiled:
+            profiler.__exit__(None, None, None)
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile), flush=True)
         after = status()
         libc.malloc_trim(0)
         print(f"  step {step}: {' '.join(f'{r}x{w}' for r, w in shapes)} ({sum(r * w for r, w in shapes)} positions) | "
@@ -77,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--global-batch", type=int, default=16, help="pairs per step (one rank's share)")
     parser.add_argument("--lora-r", type=int, default=16, help="0: full fine-tuning")
     parser.add_argument("--cache", default=None, help="data cache directory (default: a temporary one)")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="print torch.profiler's table of the last step's ops by self CPU time, this many rows")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -91,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{layout.strip() or '(defaults)'}:", flush=True)
             cmd = [sys.executable, "-m", "benchmarks.bench_memory_lora", "--worker", layout.strip(), "--steps",
                    str(args.steps), "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch),
-                   "--lora-r", str(args.lora_r), "--cache", args.cache or cache]
+                   "--lora-r", str(args.lora_r), "--cache", args.cache or cache, "--profile", str(args.profile)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                    "PYTHONPATH": os.getcwd()}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

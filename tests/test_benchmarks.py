@@ -274,7 +274,8 @@ def test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step
 
     smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
     out = _run("benchmarks.bench_memory_lora", "--steps", "1", "--global-batch", "4", "--seq-len", "128",
-               "--layouts", "batch.micro_size=4;batch.micro_size=1")
+               "--layouts", "batch.micro_size=4;batch.micro_size=1", "--profile", "5")
+    assert "aten::mm" in out, out  # the profiler's table of the last (here: only) step
     lines = out.splitlines()
     assert lines[0].startswith("benchmarks.bench_memory_lora: SmolLM2-135M-Instruct, LoRA r=16"), out
     steps = [line for line in lines if line.strip().startswith("step 0:")]
