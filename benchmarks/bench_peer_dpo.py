@@ -30,6 +30,11 @@ reference a frozen copy on both sides):
   per_device_train_batch_size=micro and gradient accumulation to the same global batch.
   Figure: the pairs of the same steps over rank 0's wall time between the ends of those steps.
 
+`--real` runs the real model instead (tests/real_model.py: SmolLM2-135M-Instruct, its own tokenizer
+and ChatML template) on WordNet preference pairs built here (tests/real_text.py): "What does 'X'
+mean?" -> X's gloss as chosen, the next sampled word's gloss as rejected, both rendered with the
+model's template on both sides; --width, --layers, --heads, --vocab and --words are then unused.
+
 Beside each rate stands rank 0's peak resident set size. Rounds alternate the order (ABCD, DCBA,
 ...) so that a shared machine's noise hits all alike; the report is, per fine-tuning mode, the
 median rates and peaks and the median of per-round ratios to TRL, then each contender's peak with
@@ -78,6 +83,48 @@ def write_inputs(work: Path, args) -> tuple[Path, Path, Path]:
     return write_chat_inputs(work, args, pairs, (("pairs.jsonl", args.pairs), ("val.jsonl", 4)))
 
 
+def wordnet_pairs(count: int, seed: int, fits) -> list[dict]:
+    """Conversational pairs of WordNet glosses: "What does 'X' mean?" -> X's gloss (chosen) or the next
+    sampled word's (rejected), each accepted by `fits(messages)`."""
+    from tests.real_text import question, wordnet_glosses
+
+    glosses = wordnet_glosses()
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        (word, gloss), (_, other) = rng.sample(glosses, 2)
+        prompt = [{"role": "user", "content": question(word)}]
+        chosen, rejected = ([{"role": "assistant", "content": text}] for text in (gloss, other))
+        if gloss != other and fits(prompt + chosen) and fits(prompt + rejected):
+            out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return out
+
+
+def write_real_inputs(work: Path, args) -> tuple[Path, Path, Path]:
+    """(SmolLM2's directory, pairs.jsonl, val.jsonl): the real model from the tests' cache, the pairs here."""
+    import pytest
+    import transformers
+
+    from tests.real_model import smollm2_dir
+
+    try:
+        model_dir = smollm2_dir()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+
+        def fits(messages) -> bool:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+            return len(ids) <= args.seq_len + 1
+
+        paths = []
+        for seed, (name, count) in enumerate((("pairs.jsonl", args.pairs), ("val.jsonl", 4)), start=1):
+            path = work / name
+            path.write_text("".join(json.dumps(record) + "\n" for record in wordnet_pairs(count, seed, fits)))
+            paths.append(path)
+    except pytest.skip.Exception as missing:
+        raise SystemExit(f"--real needs the real model and WordNet: {missing}") from None
+    return (model_dir, *paths)
+
+
 def ddptrain_data(model_dir: Path, train: Path, val: Path, cache: Path) -> list[str]:
     return ["data=preference", "objective=dpo", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
             f"data.cache_dir={cache}", f"data.tokenizer={model_dir / 'tokenizer.json'}"]
@@ -123,6 +170,8 @@ def run_trl(args, model_dir: Path, train: Path, out: Path, finetune: str) -> dic
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_peer --mode dpo",
                                      description=__doc__.splitlines()[0])
+    parser.add_argument("--real", action="store_true",
+                        help="the real model (SmolLM2-135M-Instruct) on WordNet preference pairs")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"comma-separated, of {', '.join(CONTENDERS)}")
     parser.add_argument("--finetune", default="lora,full", help="lora and/or full, comma-separated")
@@ -158,8 +207,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def describe(args, examples, weights_bytes: int) -> str:
     targets, lengths = examples.targets_per_example(), examples.lengths
-    return (f"benchmarks.bench_peer --mode dpo: Llama {args.layers} x {args.width}, vocab {args.vocab} "
-            f"({weights_bytes / 2**20:.1f} MiB of fp32 weights), {len(examples):,} pairs of {int(lengths.min())}.."
+    model = (f" --real: SmolLM2-135M-Instruct ({weights_bytes / 2**20:.0f} MiB of fp32 weights), WordNet pairs"
+             if args.real else f": Llama {args.layers} x {args.width}, vocab {args.vocab} "
+             f"({weights_bytes / 2**20:.1f} MiB of fp32 weights)")
+    return (f"benchmarks.bench_peer --mode dpo{model}, {len(examples):,} pairs of {int(lengths.min())}.."
             f"{int(lengths.max())} padded positions as two rows (mean {lengths.mean():.0f}), "
             f"{int(targets.min())}..{int(targets.max())} completion tokens, seq_len {args.seq_len}, global batch "
             f"{args.global_batch} pairs, micro {args.micro} pairs (packed: rows), sigmoid DPO beta 0.1, "
@@ -176,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     figures: dict[str, dict[str, list[tuple[float, int]]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_peer_dpo_") as tmp:
         work = Path(tmp)
-        model_dir, train, val = write_inputs(work, args)
+        model_dir, train, val = (write_real_inputs if args.real else write_inputs)(work, args)
         data = ddptrain_data(model_dir, train, val, work / "cache")
         examples = training_pairs(args, data)
         print(describe(args, examples, weights_size(model_dir)), flush=True)

@@ -309,3 +309,37 @@ def test_grpo_learning_benchmark_prints_the_held_out_reward_along_the_run():
     assert lines[1].split() == ["step", "train", "reward", "held-out", "reward", "seconds"], out
     assert [line.split()[0] for line in lines[2:]] == ["0", "1"], out
     assert 0 <= float(lines[3].split()[2]) <= 1, out
+
+
+def test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl():
+    from tests.real_model import smollm2_dir
+    from tests.real_text import wordnet_glosses
+
+    import_optional("trl")
+    smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
+    out = _run("benchmarks.bench_peer", "--mode", "dpo", "--real", "--contenders", "ddptrain-pack,trl",
+               "--finetune", "lora", "--rounds", "1", "--steps", "2", "--log-every", "1", "--pairs", "24",
+               "--global-batch", "4", "--micro", "2", "--seq-len", "128")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_peer --mode dpo --real: SmolLM2-135M-Instruct"), out
+    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2:] if line.strip()}
+    for name in ("ddptrain-pack", "trl"):
+        rate, peak, ratio, peak_ratio, per_round = (float(value.replace(",", "")) for value in rows[name])
+        assert rate > 0 and peak > 100 and ratio == per_round > 0 and peak_ratio > 0, out
+
+
+def test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step():
+    from tests.real_model import smollm2_dir
+    from tests.real_text import wordnet_glosses
+
+    smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
+    out = _run("benchmarks.bench_memory_lora", "--steps", "1", "--global-batch", "4", "--seq-len", "128",
+               "--layouts", "batch.micro_size=4;batch.micro_size=1", "--profile", "5")
+    assert "aten::mm" in out, out  # the profiler's table of the last (here: only) step
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_memory_lora: SmolLM2-135M-Instruct, LoRA r=16"), out
+    steps = [line for line in lines if line.strip().startswith("step 0:")]
+    assert len(steps) == 2, out
+    for line in steps:
+        peak, live = (int(re.search(rf"{key} ([\d,]+)", line)[1].replace(",", "")) for key in ("peak", "live"))
+        assert 0 < live <= peak, out
