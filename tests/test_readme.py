@@ -78,6 +78,16 @@ COMMANDS = {
     "python -m benchmarks.bench_preprocess": "tests/test_benchmarks.py::test_preprocess_benchmark_reports_each_ranks_share",
     "python -m benchmarks.bench_reference":
         "tests/test_benchmarks.py::test_reference_benchmark_prints_the_whole_copy_beside_the_sharded_one_per_rank",
+    'python -m benchmarks.bench_memory_lora --steps 2 --profile 12 --layouts "batch.micro_size=8"':
+        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step runs the benchmark",
+    "python -m benchmarks.bench_memory_lora --steps 4":
+        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step runs the benchmark",
+    "python -m benchmarks.bench_peer --mode dpo --real --finetune lora --contenders ddptrain-default,ddptrain-pack,trl "
+    "--rounds 1 --steps 3 --log-every 1 --pairs 200 --global-batch 16 --micro 2 --seq-len 256":
+        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl runs it at a small size",
     "python -m benchmarks.bench_mixture":
         "tests/test_benchmarks.py::test_mixture_benchmark_prints_the_bookkeeping_beside_the_step",
     "python -m benchmarks.bench_attention [--seq-lens 256,1024,4096] [--rows 2] [--heads 4] [--head-dim 64]":
