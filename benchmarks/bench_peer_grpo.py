@@ -47,8 +47,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.peer_common import BETAS, FINETUNES, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, execute, save_llama, \
-    torchrun, pseudo_words, write_tokenizer
+from benchmarks.peer_common import BETAS, FINETUNES, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, execute, pseudo_words, \
+    save_llama, torchrun, write_tokenizer
 
 CONTENDERS = ("ddptrain", "trl")
 WORKER = Path(__file__).with_name("trl_grpo_worker.py")
@@ -81,7 +81,8 @@ def write_inputs(work: Path, args) -> tuple[Path, Path]:
 def run_ddptrain(args, model_dir: Path, prompts: Path, run_dir: Path, finetune: str) -> tuple[float, int]:
     """(seconds per step, rank 0's peak memory in bytes)."""
     cmd = [*torchrun(args), "-m", "ddptrain", "model=hf", f"model.path={model_dir}", *FINETUNES[finetune],
-           "data=prompts", "objective=grpo", f"data.paths=[{prompts}]", f"data.tokenizer={model_dir / 'tokenizer.json'}",
+           "data=prompts", "objective=grpo", f"data.paths=[{prompts}]",
+           f"data.tokenizer={model_dir / 'tokenizer.json'}",
            f"data.cache_dir={run_dir.parent / 'cache'}", "reward.functions=[exact_match]",
            f"rl.group_size={args.group_size}", f"rl.max_new_tokens={args.max_new_tokens}", "rl.temperature=1.0",
            "rl.top_p=1.0", "rl.loss_aggregation=token_mean", "rl.beta=0.0",
