@@ -5,6 +5,7 @@
     python -m benchmarks.bench_peer --mode sft         # chats: data=sft against TRL's SFTTrainer (bench_peer_sft.py)
     python -m benchmarks.bench_peer --mode step        # one rank's step per layout in one process (bench_peer_step.py)
     python -m benchmarks.bench_peer --mode dpo         # preference pairs: objective=dpo against TRL's DPOTrainer
+    python -m benchmarks.bench_peer --mode grpo        # two-digit sums: objective=grpo against TRL's GRPOTrainer
 
 Both train the same model, a small Llama built from a config.json (no weights, no download), on
 the same ragged corpus: the standard-library sources of this interpreter cut into paragraphs
@@ -221,7 +222,7 @@ def run_contender(name: str, args, model_dir: Path, work: Path, round_index: int
 
 def main(argv: list[str] | None = None) -> None:
     modes = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    modes.add_argument("--mode", choices=("text", "sft", "step", "dpo"), default="text")
+    modes.add_argument("--mode", choices=("text", "sft", "step", "dpo", "grpo"), default="text")
     known, argv = modes.parse_known_args(sys.argv[1:] if argv is None else argv)
     if known.mode == "sft":
         from benchmarks.bench_peer_sft import main as sft_main
@@ -235,12 +236,17 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.bench_peer_dpo import main as dpo_main
 
         return dpo_main(argv)
+    if known.mode == "grpo":
+        from benchmarks.bench_peer_grpo import main as grpo_main
+
+        return grpo_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("text", "sft", "step", "dpo"), default="text",
+    parser.add_argument("--mode", choices=("text", "sft", "step", "dpo", "grpo"), default="text",
                         help="text: ragged paragraphs against transformers.Trainer (the flags below); sft: chats "
                              "against TRL's SFTTrainer (python -m benchmarks.bench_peer --mode sft --help); step: "
                              "one rank's step per layout, interleaved in one process (--mode step --help); dpo: preference "
-                             "pairs against TRL's DPOTrainer (--mode dpo --help)")
+                             "pairs against TRL's DPOTrainer (--mode dpo --help); grpo: two-digit sums against TRL's "
+                             "GRPOTrainer (--mode grpo --help)")
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"comma-separated, of {', '.join(CONTENDERS)}, each also with {COMPILED} (torch.compile: "
                              "trainer.compile=true, the Trainer's torch_compile=True)")
     parser.add_argument("--rounds", type=int, default=3)

@@ -328,6 +328,25 @@ def test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_be
         assert rate > 0 and peak > 100 and ratio == per_round > 0 and peak_ratio > 0, out
 
 
+def test_peer_benchmark_grpo_mode_prints_seconds_per_step_and_peak_memory_beside_trl():
+    import_optional("trl")
+    import_optional("peft")
+    out = _run("benchmarks.bench_peer", "--mode", "grpo", "--finetune", "lora", "--rounds", "1", "--steps", "2",
+               "--log-every", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
+               "--prompts", "16", "--width", "32", "--layers", "1", "--heads", "2")
+    lines = out.splitlines()
+    assert lines[0].startswith("benchmarks.bench_peer --mode grpo: Llama 1 x 32, vocab 400, two-digit sums, "
+                               "exact_match; 2 prompts x 2 completions of <= 8 tokens per step"), out
+    assert any(re.fullmatch(r"lora round 1: ddptrain [\d.]+ s/step, trl [\d.]+ s/step", line) for line in lines), out
+    header = lines.index(next(line for line in lines if line.startswith("lora: contender")))
+    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1 : header + 3]}
+    assert sorted(rows) == ["ddptrain", "trl"], out
+    for name in ("ddptrain", "trl"):
+        seconds, peak, ratio, peak_ratio, per_round = (float(value.replace(",", "")) for value in rows[name])
+        assert seconds > 0 and peak > 100 and ratio == per_round > 0 and peak_ratio > 0, out
+    assert [float(value) for value in rows["trl"][2:4]] == [1.0, 1.0], out
+
+
 def test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step():
     from tests.real_model import smollm2_dir
     from tests.real_text import wordnet_glosses

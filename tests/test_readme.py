@@ -88,6 +88,10 @@ COMMANDS = {
     "--rounds 1 --steps 3 --log-every 1 --pairs 200 --global-batch 16 --micro 2 --seq-len 256":
         "not run: minutes on the real model; tests/test_benchmarks.py::"
         "test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl runs it at a small size",
+    "python -m benchmarks.bench_peer --mode grpo --real --finetune lora,full --rounds 1 --steps 3 "
+    "--prompts-per-step 4 --group-size 4 --max-new-tokens 16":
+        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "test_peer_benchmark_grpo_mode_prints_seconds_per_step_and_peak_memory_beside_trl runs it on a tiny Llama",
     "python -m benchmarks.bench_mixture":
         "tests/test_benchmarks.py::test_mixture_benchmark_prints_the_bookkeeping_beside_the_step",
     "python -m benchmarks.bench_attention [--seq-lens 256,1024,4096] [--rows 2] [--heads 4] [--head-dim 64]":
