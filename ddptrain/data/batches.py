@@ -43,7 +43,7 @@ def balanced_shares(ids: np.ndarray, tokens: np.ndarray, world_size: int,
     split would ignore that a row of one long document costs far more attention than a row of many
     short ones, and the step would wait for the rank that drew the long ones.
     """
-    work = np.zeros(len(ids), dtype=np.int64) if attention is None else np.asarray(attention, dtype=np.int64)
+    work = np.zeros(len(ids), dtype=np.int64) if attention is None else np.asarray(attention, dtype=np.int64).reshape(-1)
     order = np.lexsort((np.arange(len(ids)), -work, -tokens))  # longest first, then costliest, then by position
     loads = np.zeros(world_size, dtype=np.int64)
     works = np.zeros(world_size, dtype=np.int64)
@@ -78,7 +78,8 @@ class _Positions:
         self.examples = examples
 
     def __getitem__(self, ids) -> np.ndarray:
-        return self.examples.lengths[ids] - 1
+        lengths = np.asarray(self.examples.lengths[ids])  # packed rows may give one length for all
+        return np.broadcast_to(lengths, np.shape(ids)) - 1
 
 
 class TrainBatches:

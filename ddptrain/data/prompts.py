@@ -128,8 +128,11 @@ class PromptBatches:
         return self.rank_prompts(step, self.rank)
 
     def state_dict(self, step: int) -> dict:
-        return {"samples_seen": self.plan.samples_seen(step), "seed": self.plan.seed,
-                "global_batch_size": self.plan.global_batch_size}
+        return self.plan.state_dict(step)  # the cursor, with the order its epochs are drawn in
+
+    def load_state_dict(self, state: dict, step: int, requested_order: str = "auto") -> None:
+        """Continue from a checkpoint's cursor at `step`, in the order it records."""
+        self.plan.load_state_dict(state, step)
 
     def prompt_ids(self, step: int) -> np.ndarray:
         """The dataset index of every prompt of the step's global batch."""
