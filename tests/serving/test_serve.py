@@ -42,7 +42,8 @@ CONTEXT = 64
 # Long enough to predict more than one repeated character greedily; ~10 s on one CPU core.
 TRAIN = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.max_docs=40", "trainer.max_steps=300",
          "trainer.log_every=300", "optim.warmup_steps=10", "trainer.eval_examples=8", f"batch.seq_len={CONTEXT}",
-         "batch.global_size=16", "batch.micro_size=16", "optim.lr=1e-2"]
+         "batch.global_size=16", "batch.micro_size=16", "optim.lr=1e-2",
+         "data.order=permutation"]  # the model these prompts were chosen on (16 different greedy texts)
 PROMPTS = ["def __init__(self", "import ", "class Foo", "    return ", "if __name__", "for i in range(", "# Copyright",
            "raise ValueError(", "self.", "from . import", "print(", "with open(", "try:\n    ", "lambda x:", "    def ",
            '"""Return the']
