@@ -29,11 +29,29 @@ LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
 
 def _plan_cli(args: list[str]) -> tuple[subprocess.CompletedProcess, float, int]:
     """`python -m ddptrain.plan ARGS`: its output, seconds and peak resident memory (bytes)."""
+    import os
+    import threading
+
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "ddptrain.plan", *args], cwd=REPO, capture_output=True, text=True,
-                            timeout=300, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far (Linux: KiB)
-    return result, time.monotonic() - started, peak
+    process = subprocess.Popen([sys.executable, "-m", "ddptrain.plan", *args], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    streams = {}
+    readers = [threading.Thread(target=lambda name=name: streams.__setitem__(name, getattr(process, name).read()))
+               for name in ("stdout", "stderr")]
+    for reader in readers:
+        reader.start()
+    timer = threading.Timer(300, process.kill)
+    timer.start()
+    # wait4: this child's own peak (RUSAGE_CHILDREN is the largest child the worker ever started: a
+    # real-model run earlier in the same pytest worker would be counted)
+    _, status, usage = os.wait4(process.pid, 0)
+    timer.cancel()
+    for reader in readers:
+        reader.join()
+    process.returncode = os.waitstatus_to_exitcode(status)
+    result = subprocess.CompletedProcess(process.args, process.returncode, streams.get("stdout", ""),
+                                         streams.get("stderr", ""))
+    return result, time.monotonic() - started, usage.ru_maxrss * 1024  # Linux: KiB
 
 
 @pytest.mark.slow
