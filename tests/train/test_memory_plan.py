@@ -4,7 +4,6 @@ its collective payloads per step are the ones real gloo ranks send (FSDP's own c
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import time
