@@ -154,12 +154,16 @@ class FSDPStrategy(Strategy):
 
     def hold_frozen(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
         """Sharded as the model is (the same units, mesh and mixed precision), each unit gathered for
-        its forward and freed after it (reshard_after_forward), whatever the model's setting. Its
-        shards are copies of the model's own (taken before the first step: the initial weights), so
-        `module` is `frozen_copy`'s skeleton of the same model."""
+        its forward and freed after it (reshard_after_forward), whatever the model's setting. A
+        `frozen_copy` skeleton (parameters on the meta device) gets copies of the model's own shards,
+        taken before the first step: the initial weights. A module with weights of its own (another
+        model: a test's reference, a separate base) is sharded with those weights, never the model's."""
+        skeleton = any(param.is_meta for param in module.parameters())
         if dtype is not None:
             module = module.to(dtype=dtype)
         self._shard(module, self.shard_unit_names(module), reshard_after_forward=True)
+        if not skeleton:
+            return module.to(device=device).eval()
         module.to_empty(device=device)
         policy = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())

@@ -26,31 +26,33 @@ LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "hidden_act": "silu"}
 
 
+# The plan run under a wrapper that prints its own peak resident memory (VmHWM) at exit. The wait4
+# and RUSAGE_CHILDREN figures are not the child's own: Python starts children by vfork, and exec
+# records the parent's high-water mark (a pytest worker that ran a real model reads 2.5 GB) in them.
+_PEAK_AT_EXIT = """
+import atexit, runpy, sys
+def _peak():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                sys.stderr.write(f"\\npeak-kib {line.split()[1]}\\n")
+atexit.register(_peak)
+sys.argv = ["ddptrain.plan", *sys.argv[1:]]
+runpy.run_module("ddptrain.plan", run_name="__main__", alter_sys=True)
+"""
+
+
 def _plan_cli(args: list[str]) -> tuple[subprocess.CompletedProcess, float, int]:
-    """`python -m ddptrain.plan ARGS`: its output, seconds and peak resident memory (bytes)."""
+    """`python -m ddptrain.plan ARGS`: its output, seconds and its own peak resident memory (bytes)."""
     import os
-    import threading
 
     started = time.monotonic()
-    process = subprocess.Popen([sys.executable, "-m", "ddptrain.plan", *args], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    streams = {}
-    readers = [threading.Thread(target=lambda name=name: streams.__setitem__(name, getattr(process, name).read()))
-               for name in ("stdout", "stderr")]
-    for reader in readers:
-        reader.start()
-    timer = threading.Timer(300, process.kill)
-    timer.start()
-    # wait4: this child's own peak (RUSAGE_CHILDREN is the largest child the worker ever started: a
-    # real-model run earlier in the same pytest worker would be counted)
-    _, status, usage = os.wait4(process.pid, 0)
-    timer.cancel()
-    for reader in readers:
-        reader.join()
-    process.returncode = os.waitstatus_to_exitcode(status)
-    result = subprocess.CompletedProcess(process.args, process.returncode, streams.get("stdout", ""),
-                                         streams.get("stderr", ""))
-    return result, time.monotonic() - started, usage.ru_maxrss * 1024  # Linux: KiB
+    result = subprocess.run([sys.executable, "-c", _PEAK_AT_EXIT, *args], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    seconds = time.monotonic() - started
+    peaks = [int(line.split()[1]) for line in result.stderr.splitlines() if line.startswith("peak-kib ")]
+    assert peaks, result.stderr[-3000:]
+    return result, seconds, peaks[-1] * 1024
 
 
 @pytest.mark.slow

@@ -27,9 +27,11 @@ def _data(directory: Path):
     return load_splits(cfg, 64)
 
 
-def _run(directory: Path, strategy: str, whole: bool) -> dict:
+def _run(directory: Path, strategy: str, frozen: str) -> dict:
     """STEPS DPO steps of a tiny GPT under a token budget (ragged microbatch counts: fillers run);
-    `whole`: the reference as every rank held it before (a whole copy), else as `strategy` holds it."""
+    `frozen`: "whole", the reference as every rank held it before (a whole copy); "skeleton", as
+    `strategy` takes and holds it (fsdp: shards filled from the policy's); "copy", a whole copy with
+    weights of its own handed to `strategy` (fsdp shards those weights)."""
     import torch.distributed as dist
 
     from ddptrain.data import TrainBatches
@@ -42,13 +44,14 @@ def _run(directory: Path, strategy: str, whole: bool) -> dict:
     data = _data(directory)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, n_layer=2, n_head=2, n_embd=32, max_seq_len=128))
-    frozen = Strategy.frozen_copy(model) if whole else frozen_copy(model, strategy)
+    whole = frozen == "whole"
+    frozen = frozen_copy(model, strategy) if frozen == "skeleton" else Strategy.frozen_copy(model)
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.5), strategy, precision="fp64",
                     objective=DPOObjective(0.1, "sigmoid"))
     if whole:
         engine.strategy.hold_frozen = types.MethodType(Strategy.hold_frozen, engine.strategy)
     reference = Reference(engine, model, frozen)
-    batches = TrainBatches(data.train, 8, 8, seed=1, rank=dist.get_rank(), world_size=dist.get_world_size(),
+    batches = TrainBatches(data.train, 8, 8, seed=3, rank=dist.get_rank(), world_size=dist.get_world_size(),
                            seq_len=64, micro_tokens=128)
     curve, fillers = [], 0
     for step in range(STEPS):
@@ -62,7 +65,8 @@ def _run(directory: Path, strategy: str, whole: bool) -> dict:
 
 
 def _runs(directory: str) -> dict:
-    runs = {"ddp": ("ddp", True), "fsdp, whole copy": ("fsdp", True), "fsdp, sharded": ("fsdp", False)}
+    runs = {"ddp": ("ddp", "whole"), "fsdp, whole copy": ("fsdp", "whole"), "fsdp, sharded": ("fsdp", "skeleton"),
+            "fsdp, a copy sharded": ("fsdp", "copy")}
     return {name: _run(Path(directory), *how) for name, how in runs.items()}
 
 
@@ -75,12 +79,13 @@ def test_the_sharded_reference_gives_the_whole_copys_losses_and_each_rank_holds_
     assert sum(rank["fsdp, sharded"]["fillers"] for rank in ranks) > 0, "the budget must leave a rank short"
     for rank in ranks:
         assert rank["ddp"]["held"] == rank["fsdp, whole copy"]["held"] == rank["ddp"]["whole"]
-        sharded = rank["fsdp, sharded"]
-        assert sharded["held"] <= 0.55 * sharded["whole"], "each of 2 ranks holds its half (shards padded)"
-        assert sharded["dtype"] == "torch.float64"
+        for name in ("fsdp, sharded", "fsdp, a copy sharded"):
+            sharded = rank[name]
+            assert sharded["held"] <= 0.55 * sharded["whole"], (name, "each of 2 ranks holds its half (shards padded)")
+            assert sharded["dtype"] == "torch.float64"
         expected = rank["fsdp, whole copy"]["curve"]
         assert expected[-1][0] != expected[0][0], "it trained"
-        for other in ("fsdp, sharded", "ddp"):
+        for other in ("fsdp, sharded", "fsdp, a copy sharded", "ddp"):
             for (loss, metrics), (whole_loss, whole_metrics) in zip(rank[other]["curve"], expected, strict=True):
                 assert math.isclose(loss, whole_loss, rel_tol=1e-9), (other, loss, whole_loss)
                 for key, value in metrics.items():
