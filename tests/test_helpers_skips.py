@@ -13,6 +13,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from tests.helpers import REPO
 
 BROKEN_DEEPSPEED = "shim: this deepspeed is installed but its import fails"
@@ -90,6 +92,7 @@ def _outcomes(junit) -> dict[str, tuple[str, str]]:
     return outcomes
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_installed_but_broken_fails_with_its_error_and_absent_skips(tmp_path):
     shim, suite = tmp_path / "shim", tmp_path / "suite"
     for relative, text in SHIM.items():

@@ -49,6 +49,7 @@ def _verify(overrides: list[str], steps: int = 2, **options):
     ["batch.micro_tokens=96"],  # microbatches of different row counts, by padded tokens
     ["batch.pack=true", "batch.micro_size=4"],  # packed rows, attention per document
 ], ids=["accumulate", "token_budget", "packed"])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_the_default_model_agrees_to_1e_9_in_fp64(layout):
     report = _verify([*VERIFY_RUN, *layout])
     assert report.precision == "fp64" and report.tolerance == 1e-9
@@ -83,6 +84,7 @@ def test_batchnorm_makes_the_layout_differ_and_is_named():
     assert _verify([*BATCHNORM, *VERIFY_RUN, "batch.micro_size=8"]).agrees
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_dropout_is_named_and_turned_off_for_the_comparison():
     report = _verify([*VERIFY_RUN, "model.n_layer=1", "model.dropout=0.1", "batch.micro_size=4"])
     named = " ".join(report.caveats)
@@ -151,6 +153,7 @@ def test_every_precision_has_a_tolerance():
     assert set(TOLERANCES) == set(PRECISIONS)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_fp16_on_the_configured_device_agrees(capsys):
     """fp16 used to crash verify with a KeyError (no tolerance), and the reference only autocast bf16.
     Now the reference autocasts fp16 too, and the engine's dynamic loss scale does not change the update.

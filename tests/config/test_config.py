@@ -81,6 +81,7 @@ def test_a_key_the_run_would_not_read_is_refused_instead_of_ignored(overrides, m
     assert message in _refusal(overrides)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_the_same_keys_are_taken_where_the_run_reads_them_or_left_at_their_defaults():
     for overrides in (["data=text", "data.paths=[c.txt]", "data.split_by=paragraph"],
                       ["data=jsonl", "data.paths=[c.jsonl]", "data.field=body", "data.on_decode_error=error"],

@@ -34,6 +34,7 @@ def _deviation(plan: MixturePlan, weights: np.ndarray, step: int) -> float:
     return float(np.abs(taken - shares * taken[live].sum())[live].max() / plan.bound)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_every_source_is_within_one_example_of_its_share_after_every_step_on_every_layout():
     """The property: random weights, example sizes (pieces, packed rows), global batches, world sizes
     1/2/4/8, token budgets and packing; the layout then only splits the plan's global batch."""

@@ -137,6 +137,7 @@ def two_rank_losses() -> dict[str, list[float]]:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_every_layout_gives_the_same_losses_in_fp64(two_rank_losses, family):
     modes = FAMILIES[family]
     reference = _losses(modes[0], 5)  # one process

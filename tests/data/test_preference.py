@@ -66,6 +66,7 @@ def _trl_sequences(rows: list[dict]) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_pairs_give_the_token_ids_of_trl_dpo_trainer(tmp_path, conversational):
     directory = save_chat_tokenizer(tmp_path / "tok")
     records = random_pairs(40, seed=1, conversational=conversational)
@@ -103,6 +104,7 @@ def test_the_cache_is_built_once_and_reused(tmp_path, caplog):
 # -- truncation ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_truncation_right_cuts_both_sequences_as_trl_keep_start_does(tmp_path):
     directory = save_chat_tokenizer(tmp_path / "tok")
     records = random_pairs(30, seed=3)

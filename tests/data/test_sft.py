@@ -512,6 +512,7 @@ def test_generation_stops_at_eos_and_at_the_end_of_turn_token_the_mask_trains(tm
 
 
 @pytest.mark.parametrize("template", [MARKED, PLAIN], ids=["marked", "plain"])
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_an_end_of_turn_marker_that_is_one_token_but_not_special_is_where_generation_stops(tmp_path, template):
     """<|im_end|> as an added token that is not special: one token, so the template is taken and the
     mask trains it as the last target of the turn (not the newline after it), and final/ records it as a stop token beside EOS,
@@ -650,6 +651,7 @@ def test_a_packed_microbatch_computes_the_unpacked_loss(tmp_path):
                                     ["batch.pack=true", "batch.micro_size=1"],
                                     ["batch.pack=true", "batch.micro_size=1", "strategy=fsdp"], []],
                          ids=["accumulate", "budget", "packed", "packed_fsdp", "default"])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_verify_agrees_with_one_unpacked_process_on_chats(tmp_path, layout):
     from ddptrain.verify import format_report, verify
 
@@ -867,6 +869,7 @@ def test_save_final_outside_a_run_writes_the_chat_files_of_the_data_it_is_given(
 
 
 @pytest.mark.parametrize("pack", [None, False], ids=["default", "unpacked"])
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_padding_efficiency_counts_masked_prompts_as_real_and_valid_targets_apart(tmp_path, pack):
     """A chat run's metrics recounted from the step's own microbatches: real positions (prompt and
     answer alike) / positions computed, and valid targets / positions computed, apart; the default

@@ -378,6 +378,7 @@ except KeyboardInterrupt:
 """
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_failure_marker_of_an_earlier_launch_does_not_fail_the_next_one(tmp_path, monkeypatch):
     """A plain torchrun's run id is `none` on every launch (and a Slurm requeue keeps its job id): the
     marker of a build interrupted in an earlier launch (another launcher process) or an earlier elastic

@@ -203,6 +203,7 @@ def test_no_saved_tensor_holds_the_valid_logits(objective):
     assert total < valid_logits, f"saved tensors of {total} elements; the valid logits are {valid_logits}"
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_the_peak_stays_below_one_valid_logits_tensor():
     """Forward and backward, transients included: the chunked path's peak of live tensor bytes is
     below one fp32 (N_valid, V) tensor (46.9 MiB here); the full path's is far above it."""

@@ -72,6 +72,7 @@ def _assert_equal_paths(results, tolerance: float = 1e-9) -> None:
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
                                   for name in STRATEGIES])
+@pytest.mark.slow  # every case over 4 s (ranks): out of the fast tier
 def test_chunked_head_equals_full_logits_in_fp64_on_every_strategy(name):
     ranks, strategy, options, precision = STRATEGIES[name]
     if strategy.startswith("zero"):
@@ -80,6 +81,7 @@ def test_chunked_head_equals_full_logits_in_fp64_on_every_strategy(name):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # every case over 4 s (ranks): out of the fast tier
 def test_chunked_head_equals_full_logits_on_packed_rows(strategy):
     _assert_equal_paths(run_distributed(_both_paths, 2, strategy, None, True))
 
@@ -106,6 +108,7 @@ def _lora_both():
 
 
 @requires("peft")
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_chunked_head_with_lora_on_the_head_equals_full_logits():
     results = run_distributed(_lora_both, 2)
     _assert_equal_paths(results)
@@ -153,6 +156,7 @@ def test_a_transformers_model_that_scales_its_logits_keeps_the_full_logits():
                            device=torch.device("cpu")).chunked_head is False
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_target_model_that_takes_head_loss_trains_the_same_through_the_chunked_head(tmp_path):
     """The README's protocol for `_target_` models, through the command line: the start-up line says
     which path runs, and the curve equals the full logits' (fp64)."""
@@ -169,6 +173,7 @@ def test_a_target_model_that_takes_head_loss_trains_the_same_through_the_chunked
     assert curves[True] == pytest.approx(curves[False], rel=1e-9, abs=0)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_target_model_whose_head_is_wider_than_its_logits_is_refused_naming_both_widths(tmp_path):
     """A head padded past the vocabulary trained another loss through the chunked head than through
     the logits, silently; it is a config error at start-up, and trains with trainer.chunked_head=false."""

@@ -70,6 +70,7 @@ def _unread_engine_steps(counter: str = "ddptrain"):
     return calls, nan_calls, [s.loss for s in unread], nan_stats.skipped, engine.skipped_steps
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_unread_engine_steps_make_no_host_sync_and_a_nan_is_skipped_on_the_device():
     results = run_distributed(_unread_engine_steps, 2)
     for calls, nan_calls, losses, nan_skipped, skipped in results:

@@ -162,6 +162,7 @@ def test_engine_in_one_process_minimises_the_objective_mean():
     assert relative_difference(update(params, before), update(ref_params, before)) < 1e-9
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_two_ranks_equal_one_process_with_label_smoothing_and_z_loss():
     results = run_distributed(_engine_step_on_this_rank, 2, SMOOTHING, Z_LOSS)
     ref_loss, ref_tokens, before, ref_params = reference_step(SMOOTHING, Z_LOSS)

@@ -107,6 +107,7 @@ LAYOUTS = {"1 x micro 8": dict(micro=8), "micro 3": dict(micro=3), "token budget
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_the_step_is_the_mean_over_pairs_for_every_layout_and_a_mean_of_means_is_not(tmp_path, loss_type):
     """One process; the two-rank layouts run under torchrun in tests/train/test_dpo.py."""
     data = _data(tmp_path)

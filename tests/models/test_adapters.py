@@ -178,6 +178,7 @@ def _assert_everyone_uses(model: nn.Module, blocks: list[nn.Module], class_name:
     assert [id(module) for module in _compiled(model)] == [id(block) for block in blocks]
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_the_gpt_blocks():
     model, _ = adapter_for(GPT_CFG).build(GPT_CFG, VOCAB, SEQ)
     _assert_everyone_uses(model, list(model.blocks), "Block")

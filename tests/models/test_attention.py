@@ -178,6 +178,7 @@ def test_the_gather_backward_touches_each_buffer_once_whatever_the_buckets():
 
 
 @pytest.mark.parametrize("window", [None, 6], ids=["causal", "sliding_window"])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_flex_document_mask_equals_the_dense_mask_forward_on_cpu(window):
     documents = DocumentBoundaries.from_segments(ragged_segments(2, 64))
     q, k, v = (t.detach().float() for t in qkv((2, 4, 64, 8), 2, torch.float64))
@@ -469,6 +470,7 @@ def hf_outputs(model, batch, targets):
     return [logits.detach(), *grads]
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_llama_through_model_hf_gather_equals_the_dense_mask_in_fp64(tmp_path):
     from ddptrain.models import hf
 
@@ -492,6 +494,7 @@ def test_llama_through_model_hf_gather_equals_the_dense_mask_in_fp64(tmp_path):
 @pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 4})],
                          ids=["llama_gqa", "mistral_sliding_window"])
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_model_hf_flex_logits_equal_the_dense_mask_on_cpu(tmp_path, monkeypatch, kind, extra, compiled):
     """The CUDA test's models and microbatch (grouped-query heads of 16 dimensions, a window of 4,
     a padded last row), forward only: the CPU has no flex backward. So the boundaries, the window
@@ -540,6 +543,7 @@ def test_model_hf_every_backend_equals_the_dense_mask_on_cuda(tmp_path, kind, ex
     assert_all_close([t.float() for t in ours], reference, 3e-2 if backend == "varlen" else 1e-5, f"{kind} {backend}")
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_sliding_window_model_computes_each_document_as_if_alone(tmp_path):
     """Mistral with a window of 4 tokens, documents far longer: every backend keeps the window."""
     from ddptrain.models import hf

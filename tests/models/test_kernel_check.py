@@ -34,8 +34,9 @@ VOCAB = 64
 
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("layout", [GPT_LAYOUT, HF_TEST_LAYOUT, NEOX_LAYOUT, HeadLayout(32, 8, 128, (None, 64))],
-                         ids=["gpt", "gqa_window", "neox", "llama_8b_heads"])
+@pytest.mark.parametrize("layout", [GPT_LAYOUT, HF_TEST_LAYOUT, NEOX_LAYOUT,
+                                    pytest.param(HeadLayout(32, 8, 128, (None, 64)), marks=pytest.mark.slow)],
+                         ids=["gpt", "gqa_window", "neox", "llama_8b_heads"])  # 8B's heads: seconds per case
 def test_the_gather_passes_on_the_cpu(layout, precision):
     assert kernel_problem("gather", layout, CPU, precision, seq_len=2048) is None
 
@@ -210,6 +211,7 @@ def test_the_gpts_layout_is_how_its_attention_is_called(monkeypatch):
     assert layout.memory != separate_projections(3, 3, 16), "the default would not be the GPT's"
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_model_hf_layouts_are_how_each_architecture_calls_attention(tmp_path, monkeypatch):
     """Llama (a projection each), GPT-2 (views of one), Phi-3 and GPT-NeoX (q and k contiguous, v a
     view: one fused projection, heads interleaved in NeoX's): hf.head_layout's, recorded through
@@ -278,6 +280,7 @@ def gpt_config(attention_backend: str):
                            f"trainer.attention={attention_backend}"])
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_forced_backend_that_fails_is_refused_and_auto_gives_way(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_gather", wrong_backward_for_k)
     with pytest.raises(ModelError, match=r"trainer.attention=gather: its kernel does not compute what the dense mask "
@@ -295,6 +298,7 @@ def test_a_forced_backend_that_fails_is_refused_and_auto_gives_way(monkeypatch, 
     assert model.attention_backend == "gather"
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_model_hf_heads_and_windows_are_the_models_and_a_failing_kernel_is_caught(tmp_path, monkeypatch):
     """The layout comes from the transformers config (grouped-query heads, head_dim, every layer's
     window); a kernel wrong in backward only passes the probe (a forward) and fails the check."""
@@ -353,8 +357,9 @@ def test_a_kernel_that_fails_on_one_rank_is_refused_on_every_rank():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: varlen and flex run on CUDA only")
 @pytest.mark.parametrize("backend,precision", [("gather", "fp32"), ("flex", "fp32"), ("gather", "bf16"),
                                                ("varlen", "bf16"), ("flex", "bf16")])
-@pytest.mark.parametrize("layout", [GPT_LAYOUT, HF_TEST_LAYOUT, NEOX_LAYOUT, HeadLayout(32, 8, 128, (None, 64))],
-                         ids=["gpt", "gqa_window", "neox", "llama_8b_heads"])
+@pytest.mark.parametrize("layout", [GPT_LAYOUT, HF_TEST_LAYOUT, NEOX_LAYOUT,
+                                    pytest.param(HeadLayout(32, 8, 128, (None, 64)), marks=pytest.mark.slow)],
+                         ids=["gpt", "gqa_window", "neox", "llama_8b_heads"])  # 8B's heads: seconds per case
 @pytest.mark.parametrize("seq_len", [2048, 96], ids=["width_320", "width_96"])
 def test_every_backend_passes_the_check_on_cuda(layout, backend, precision, seq_len):
     """The kernels themselves, with the heads, scale and strided q, k, v of tests/models/test_attention.py's

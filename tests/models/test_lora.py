@@ -208,6 +208,7 @@ def _finished_run(tmp_path):
     return base, run_dir, model
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_final_is_a_peft_adapter_directory_with_load_models_logits(tmp_path):
     base, run_dir, trained = _finished_run(tmp_path)
     final = run_dir / "final"
@@ -223,6 +224,7 @@ def test_final_is_a_peft_adapter_directory_with_load_models_logits(tmp_path):
     assert not torch.equal(_logits(ours), _logits(transformers.AutoModelForCausalLM.from_pretrained(base)))
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_merged_export_is_a_plain_transformers_model_with_the_same_logits(tmp_path):
     _, run_dir, _ = _finished_run(tmp_path)
     expected = _logits(ddptrain.load_model(run_dir))
@@ -250,6 +252,7 @@ def test_an_adapter_on_a_tied_head_or_embedding_merges_to_the_logits_it_trained_
     assert kept.lm_head.weight is kept.model.embed_tokens.weight
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_bf16_base_loads_and_merges_in_fp32_the_dtype_it_trained_in(tmp_path):
     base = _base_dir(tmp_path / "base", dtype=torch.bfloat16)
     assert json.loads((base / "config.json").read_text())["dtype"] == "bfloat16"
@@ -277,6 +280,7 @@ def test_merge_changes_nothing_for_a_run_that_trained_every_weight(tmp_path):
     assert torch.equal(_logits(merged), _logits(plain))
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_other_base_weights_are_refused_by_load_model_and_on_resume(tmp_path):
     base, run_dir, _ = _finished_run(tmp_path)
     spec_dict = json.loads((run_dir / "final" / "ddptrain_model.json").read_text())
@@ -291,6 +295,7 @@ def test_other_base_weights_are_refused_by_load_model_and_on_resume(tmp_path):
     ddptrain.load_model(run_dir)
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_the_servable_merge_is_remade_when_the_base_changes_under_the_same_mtimes(tmp_path):
     from ddptrain.serving.servable import MARKER, ServableError, servable_dir
 
@@ -316,6 +321,7 @@ def test_the_servable_merge_is_remade_when_the_base_changes_under_the_same_mtime
         servable_dir(run_dir)
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_exporting_a_lora_run_whose_base_is_gone_names_the_missing_base(tmp_path, capsys):
     from ddptrain.export import main
 
@@ -330,6 +336,7 @@ def test_exporting_a_lora_run_whose_base_is_gone_names_the_missing_base(tmp_path
 
 @pytest.mark.parametrize("key, value", [("rms_norm_eps", 0.5),
                                         ("rope_parameters", {"rope_theta": 1234.0, "rope_type": "default"})])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_an_edited_base_config_is_refused_by_load_model_export_and_serving(tmp_path, key, value):
     """The base's config.json is part of what the adapter trained over, as a resume already says."""
     from ddptrain.serving.servable import ServableError, servable_dir

@@ -71,6 +71,7 @@ def _train_layouts(tmp_path, args: list[str], layouts=((1, 8), (2, 2))) -> dict:
 @pytest.mark.parametrize("override, key", [("+trainer.max_step=5", "trainer.max_step"),
                                            ("+model.n_layers=2", "model.n_layers"),
                                            ("+objective.zloss=1", "objective.zloss")])
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_unknown_keys_are_refused_however_they_are_written(tmp_path, override, key):
     result = run_cli([override, f"run.dir={tmp_path / 'run'}"])
     assert result.returncode == 2, result.stderr[-2000:]

@@ -64,6 +64,7 @@ def test_a_steps_completions_are_the_same_on_one_and_two_ranks(setup):
     assert len({ids for _, _, ids, _ in alone}) > 1, "sampled, not all alike"
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_completion_does_not_depend_on_its_batch_mates_or_the_step_it_is_not_in(setup):
     model_dir, prompts = setup
     prompt_set = _prompt_set(model_dir, prompts)

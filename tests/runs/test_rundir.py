@@ -418,6 +418,7 @@ def _write_twice(tmp: str) -> None:
 # -- rank-local errors ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_an_error_on_one_rank_reaches_every_rank_and_an_empty_rank_does_not_hang():
     from ddptrain.testing import run_distributed
 
@@ -532,6 +533,7 @@ def test_a_run_dir_names_its_layout(tmp_path):
     assert run_dir.final_step() is None
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_run_dir_holding_the_users_own_files_is_refused_by_name_and_nothing_is_touched(tmp_path):
     mine = {"config.yaml": "my: own config\n", "notes.txt": "do not lose\n"}
     for name, text in mine.items():
@@ -544,6 +546,7 @@ def test_a_run_dir_holding_the_users_own_files_is_refused_by_name_and_nothing_is
     assert all((tmp_path / name).read_text() == text for name, text in mine.items())
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_the_home_directory_is_never_a_run_dir(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
@@ -563,6 +566,7 @@ def test_the_filesystem_root_is_never_a_run_dir():
         validate_run(compose_config(["run.dir=/"]), 1)
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_run_dir_with_a_tilde_is_in_the_home_directory(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
@@ -573,6 +577,7 @@ def test_a_run_dir_with_a_tilde_is_in_the_home_directory(tmp_path):
     assert not (tmp_path / "~").exists()
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_an_earlier_run_dir_and_an_empty_one_are_accepted(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -589,6 +594,7 @@ def test_an_earlier_run_dir_and_an_empty_one_are_accepted(tmp_path):
     (["data=sft", "data.paths=['{corpus}/**/*.jsonl']"], "{corpus}/run"),  # its metrics.jsonl a chat on relaunch
     (["data=text", "data.paths=[{corpus}/*.txt]", "data.val_paths=['{corpus}/**']"], "{corpus}/runs/a"),
 ])
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_data_glob_that_reaches_the_run_dir_is_refused_by_name_and_nothing_is_written(tmp_path, data, run_dir):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -604,6 +610,7 @@ def test_a_data_glob_that_reaches_the_run_dir_is_refused_by_name_and_nothing_is_
     assert sorted(str(path) for path in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_data_glob_beside_the_run_dir_is_accepted(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

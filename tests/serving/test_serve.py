@@ -210,6 +210,7 @@ def test_byte_tokenizer_ids_are_the_bytes_and_text_round_trips(tmp_path):
     assert hf_tokenizer("héllo 🎉", add_special_tokens=False).input_ids == list("héllo 🎉".encode())
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_servable_dir_of_a_run_is_made_once_and_remade_when_the_weights_contents_change(run_dir, model, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -242,6 +243,7 @@ def test_servable_dir_of_a_run_is_made_once_and_remade_when_the_weights_contents
     assert servable_dir(run) == directory and (directory / MARKER).stat().st_mtime_ns == made  # reused
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_damaged_servable_copy_is_rebuilt_and_a_truncated_model_directory_is_a_serve_error(run_dir, model, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -271,6 +273,7 @@ def test_a_damaged_servable_copy_is_rebuilt_and_a_truncated_model_directory_is_a
 # -- continuous batching: the same tokens as alone ---------------------------------------------------
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_concurrent_greedy_requests_equal_one_at_a_time_and_load_models_decoding(run_dir, model):
     lengths = [8 + 5 * (i % 6) for i in range(len(PROMPTS))]  # different lengths end at different steps
     expected = [text_of(greedy_ids(model, prompt, n)) for prompt, n in zip(PROMPTS, lengths)]
@@ -295,6 +298,7 @@ def test_concurrent_greedy_requests_equal_one_at_a_time_and_load_models_decoding
     assert {r["choices"][0]["finish_reason"] for r in together} == {"length"}
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_request_arriving_mid_decoding_starts_before_the_others_finish(run_dir):
     async def main(url):
         async with httpx.AsyncClient(timeout=60) as client:
@@ -313,6 +317,7 @@ def test_a_request_arriving_mid_decoding_starts_before_the_others_finish(run_dir
     assert all(r["usage"]["completion_tokens"] == CONTEXT - 20 for r in long)
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_seeded_sampling_is_the_same_alone_or_under_load_and_matches_load_model(run_dir, model):
     sampling = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 24}
     expected = text_of(sampled_ids(model, "import ", 24, 0.9, 0.95, seed=7))
@@ -345,6 +350,7 @@ def test_top_p_and_temperature_draw_from_the_nucleus_only():
     assert cold.count(0) > 290  # a low temperature is nearly greedy
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_stop_strings_end_the_completion_before_the_first_one(run_dir, model):
     full = text_of(greedy_ids(model, "with open(", 40))
     # A stop string that first occurs after the first character, so that text comes before it (a string
@@ -397,6 +403,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_every_bad_request_gets_a_400_naming_the_field_and_the_rule(run_dir):
     async def main(url):
         async with httpx.AsyncClient(timeout=30) as client:
@@ -412,6 +419,7 @@ def test_every_bad_request_gets_a_400_naming_the_field_and_the_rule(run_dir):
         assert error["param"] == field and rule in error["message"], (body, error)
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_full_server_answers_429_and_serves_again_once_requests_finish(run_dir):
     async def main(url):
         async with httpx.AsyncClient(timeout=60) as client:
@@ -439,6 +447,7 @@ def _spy_on_cancellations(generator) -> list[str]:
     return cancelled
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_client_that_disconnects_cancels_its_request(run_dir, caplog):
     body = json.dumps({"prompt": "def __init__(self", "max_tokens": CONTEXT - 20, "temperature": 0})
 
@@ -482,6 +491,7 @@ def test_a_client_that_disconnects_cancels_its_request(run_dir, caplog):
         assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_hundreds_of_requests_with_random_cancellations_leave_the_server_healthy(run_dir, model):
     rng = random.Random(0)
     expected = text_of(greedy_ids(model, "class Foo", 16))
@@ -513,6 +523,7 @@ def test_hundreds_of_requests_with_random_cancellations_leave_the_server_healthy
     assert after["choices"][0]["text"] == expected
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_health_is_503_once_the_decoding_loop_is_gone(run_dir):
     with serving(run_dir) as (url, generator):
         assert httpx.get(url + "/health").json()["status"] == "ok"
@@ -526,6 +537,7 @@ def test_health_is_503_once_the_decoding_loop_is_gone(run_dir):
 # -- chat completions: the model's chat template, the same rules and the same batch --------------------
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_chat_completions_continue_the_rendered_chat_as_load_model_does(chat_dir, model):
     lengths = [6 + 3 * i for i in range(len(CHATS))]
     expected = [text_of(greedy_ids(model, rendered(messages), n)) for messages, n in zip(CHATS, lengths)]
@@ -633,6 +645,7 @@ BAD_CHAT_REQUESTS = [
 ]
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_every_bad_chat_request_gets_a_400_naming_the_field_and_the_rule(chat_dir, run_dir):
     async def post_all(url, requests):
         async with httpx.AsyncClient(timeout=30) as client:
@@ -655,6 +668,7 @@ def test_every_bad_chat_request_gets_a_400_naming_the_field_and_the_rule(chat_di
     assert "the served model has no chat template" in refused.json()["error"]["message"]
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_20_mb_request_gets_its_400_at_once_and_does_not_slow_the_small_ones(chat_dir):
     """The body's size is checked before it is read, and rendering and tokenizing run off the event
     loop: a huge request neither waits for its refusal nor holds up the others. Asserted by what
@@ -707,6 +721,7 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_not_fit(run_dir, model, capsys):
     command = [sys.executable, "-m", "ddptrain.generate", str(run_dir), "--prompt", "import ", "--prompt", "class Foo",
                "--max-tokens", "20", "--temperature", "0"]
@@ -752,6 +767,7 @@ def serve_cli(path, log):
     assert process.returncode == -signal.SIGTERM
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_serve_cli_serves_a_run_directory(run_dir, model, tmp_path):
     with serve_cli(run_dir, tmp_path / "serve.log") as url:
         answer = httpx.post(url + "/v1/completions", timeout=30,
@@ -761,6 +777,7 @@ def test_serve_cli_serves_a_run_directory(run_dir, model, tmp_path):
     assert "the served model has no chat template" in (tmp_path / "serve.log").read_text()
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_serve_cli_answers_chat_with_the_models_template(chat_dir, model, tmp_path):
     messages = [{"role": "user", "content": "def main("}]
     with serve_cli(chat_dir, tmp_path / "serve.log") as url:
@@ -771,6 +788,7 @@ def test_serve_cli_answers_chat_with_the_models_template(chat_dir, model, tmp_pa
     assert "/v1/chat/completions answers 400" not in (tmp_path / "serve.log").read_text()
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_serve_cli_refuses_a_directory_it_cannot_serve(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a transformers directory without tokenizer.json
     result = subprocess.run([sys.executable, "-m", "ddptrain.serve", str(tmp_path)], cwd=REPO, env=_env(),
@@ -784,6 +802,7 @@ def test_sampling_params_state_the_rule():
     assert SamplingParams(stop="x").stop == ("x",)
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_bad_device_and_cache_flags_are_clear_errors(run_dir, capsys):
     from ddptrain.generate import main as generate_main
     from ddptrain.serving.server import main as serve_main

@@ -40,6 +40,7 @@ def _hsdp_step(replicate):
 
 @pytest.mark.parametrize("replicate", [2, pytest.param("auto", marks=pytest.mark.slow),
                                        pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # every case over 4 s (ranks): out of the fast tier
 def test_hsdp_on_a_two_by_two_mesh_equals_one_process_in_fp64(replicate):
     # "auto" on 4 ranks of 2 "nodes" (GROUP_WORLD_SIZE 2): a 2x2 mesh again; 4: a 4x1 mesh (replicas only)
     env = {"GROUP_WORLD_SIZE": "2"} if replicate == "auto" else None

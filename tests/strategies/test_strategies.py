@@ -59,6 +59,7 @@ def _check_against_reference(results, case: str, tolerance: float, grad_clip: fl
 
 
 @pytest.mark.parametrize("case", [RAGGED, pytest.param("rank_without_valid_targets", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_fsdp_in_fp64_equals_one_process(case):
     results = run_distributed(_step, 2, "fsdp", case, "fp64")
     _check_against_reference(results, case, 1e-9)
@@ -76,6 +77,7 @@ def test_fsdp_clips_by_the_global_norm_of_sharded_gradients():
 @pytest.mark.parametrize("strategy", ["fsdp", pytest.param("zero1", marks=pytest.mark.slow),
                                       pytest.param("zero2", marks=pytest.mark.slow),
                                       pytest.param("zero3", marks=pytest.mark.slow)])
+@pytest.mark.slow  # every case over 4 s (ranks): out of the fast tier
 def test_ranks_with_one_microbatch_fewer_equal_one_process_in_fp32(strategy):
     if strategy.startswith("zero"):
         import_deepspeed()  # skips only when DeepSpeed is not installed
@@ -129,6 +131,7 @@ def test_token_budgets_and_packing_run_under_zero(strategy, ddp_budget_curves):
     assert_same_curves(packed, 2e-5)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_an_unknown_shard_module_is_refused_before_the_process_group_naming_the_classes_there_are(tmp_path):
     """strategy.shard_modules names classes of the built model: before, a typo was a ValueError traceback
     (exit code 1) after the process group and the device mesh had started, naming no valid class."""
@@ -199,6 +202,7 @@ def _save_with_a_nan_on_rank_one(strategy: str, directory: str):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("zero2", marks=pytest.mark.slow),
                                       pytest.param("zero3", marks=pytest.mark.slow)])
+@pytest.mark.slow  # every case over 4 s (ranks): out of the fast tier
 def test_non_finite_weights_are_refused_at_save_on_every_rank(strategy, tmp_path):
     """The check runs on each rank's own weights (ZeRO-3 and FSDP shards too), so a NaN that only rank 1
     holds stops the save on both ranks before anything is written."""

@@ -159,6 +159,7 @@ def _reference_norm(microbatches) -> float:
 
 @requires_deepspeed
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # every case over 4 s (ranks): out of the fast tier
 def test_zero_step_equals_one_process_on_global_mean_token_loss(stage_runs, stage):
     results, _ = stage_runs(stage)
     everything = zero_microbatches(0) + zero_microbatches(1)
@@ -181,6 +182,7 @@ def test_zero_step_equals_one_process_on_global_mean_token_loss(stage_runs, stag
 
 @requires_deepspeed
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_zero_nonfinite_gradient_is_skipped(stage_runs, stage):
     results, _ = stage_runs(stage)
     for out in results:
@@ -248,6 +250,7 @@ def test_a_zero_load_reads_a_part_at_a_time_and_restores_every_tensor(stage_runs
 
 @requires_deepspeed
 @pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # every case over 4 s (ranks): out of the fast tier
 def test_zero_checkpoint_converts_to_the_model_state_dict(stage_runs, stage, tmp_path):
     """The neutral layout, read by torch's own converter (no ddptrain, no DeepSpeed)."""
     results, checkpoint_dir = stage_runs(stage)
@@ -345,6 +348,7 @@ def test_zero_without_deepspeed_says_how_to_install(monkeypatch):
         ddptrain.Engine(model, torch.optim.SGD(model.parameters(), lr=1.0), "zero2")
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_ddptrain_imports_without_deepspeed():
     code = ("import sys; sys.modules['deepspeed'] = None; import ddptrain, ddptrain.train.trainer, "
             "ddptrain.strategies.deepspeed; print('ok')")

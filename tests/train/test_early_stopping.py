@@ -57,6 +57,7 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
         return model(torch.randint(0, 256, (2, 16)))
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_rising_validation_loss_stops_the_run_after_patience_evals_with_exit_0_and_final(stopped_run):
     run_dir, result = stopped_run
     best_step, stop_step = expected_decision(_val_losses(run_dir), PATIENCE)
@@ -68,6 +69,7 @@ def test_a_rising_validation_loss_stops_the_run_after_patience_evals_with_exit_0
     assert json.loads((run_dir / "best" / SPEC_FILE).read_text())["step"] == best_step
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_best_holds_the_weights_of_the_best_step_and_load_model_export_and_serve_take_it(stopped_run, tmp_path):
     run_dir, _ = stopped_run
     best_step, stop_step = expected_decision(_val_losses(run_dir), PATIENCE)
@@ -95,6 +97,7 @@ def test_best_holds_the_weights_of_the_best_step_and_load_model_export_and_serve
     assert json.loads((served / MARKER).read_text())["source"] == str((run_dir / "best").resolve())
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_resume_in_the_middle_takes_the_same_decision(stopped_run, tmp_path):
     run_dir, _ = stopped_run
     best_step, stop_step = expected_decision(_val_losses(run_dir), PATIENCE)
@@ -108,6 +111,7 @@ def test_a_resume_in_the_middle_takes_the_same_decision(stopped_run, tmp_path):
     assert json.loads((resumed / "final" / SPEC_FILE).read_text())["step"] == stop_step
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_relaunch_after_the_stop_trains_no_further(stopped_run, tmp_path):
     import shutil
 
@@ -161,6 +165,7 @@ def test_a_validation_loss_that_is_not_finite_stops_the_run_with_a_message_that_
     assert _stop_reason([3.0, 2.0, 1.0]) is None
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_relaunching_a_stopped_run_with_more_steps_says_it_stopped_early_and_how_to_train_on(stopped_run, tmp_path):
     """It said 'raise trainer.max_steps to train on', which trains no further."""
     import shutil

@@ -79,6 +79,7 @@ def test_the_plan_of_gpt2_small_and_a_1b_llama_prints_in_seconds_without_allocat
 
 
 @pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_directory_with_weights_is_planned_from_its_config_without_reading_them(tmp_path, lora):
     """A weighted model directory (and a LoRA adapter over it) is planned with the real model's
     parameter counts, and the weights file is never opened: garbage in its place breaks loading, not
@@ -155,6 +156,7 @@ def _by_kind(calls: list[dict]) -> dict:
     return totals
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_model_directory_that_is_not_there_is_a_model_error_not_a_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "ddptrain.plan", "model=hf", f"model.path={tmp_path / 'nope'}"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -179,6 +181,7 @@ def test_a_bad_world_size_or_ranks_per_node_names_the_flag_the_value_and_the_rul
 
 
 @pytest.mark.parametrize("world_size", [4, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # every case over 4 s (ranks): out of the fast tier
 def test_plan_payloads_equal_those_counted_on_gloo_ranks(world_size):
     """4 ranks: ddp, fsdp 1x4, HSDP 2x2; 2 ranks: ddp, fsdp 1x2, HSDP 2x1 (replicas only)."""
     measured = run_distributed(_recorded_payloads, world_size)[0]

@@ -39,6 +39,7 @@ def tiny_run(tmp_path_factory) -> Path:
 # -- metrics.jsonl ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_metrics_lines_carry_every_field(tiny_run):
     metrics = read_metrics(tiny_run)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -57,6 +58,7 @@ def test_metrics_lines_carry_every_field(tiny_run):
     assert [m["tokens_seen"] for m in metrics] == list(torch.tensor([m["tokens"] for m in metrics]).cumsum(0))
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_padding_efficiency_is_valid_over_processed_tokens_of_the_step(tiny_run):
     """Recount the step's microbatch shapes from the data (the same global batch for any layout)."""
     from ddptrain.data import TrainBatches, load_stdlib
@@ -146,6 +148,7 @@ def _tiny_llama(lora: bool, tmp_path: Path):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_lora_and_full_fine_tuning_flops_match_torch_flop_counter(tmp_path, lora):
     """What is computed: under LoRA the frozen base weights get no weight gradient (4 x N, not 6 x N)
     and the adapters cost 6 x theirs; torch's FLOP counter over a real forward + backward agrees,
@@ -178,6 +181,7 @@ def test_lora_and_full_fine_tuning_flops_match_torch_flop_counter(tmp_path, lora
         assert counted == pytest.approx(counter.get_total_flops(), rel=0.03)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_logged_flops_per_second_match_the_hand_count_for_the_default_model(tmp_path):
     """flops_per_second / processed tokens per second = FLOPs per token of the default model."""
     seq_len = 256
@@ -412,6 +416,7 @@ def test_wandb_offline_run_reads_back_and_a_resumed_run_continues_it_without_dup
 # -- plots ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_plot_command_draws_one_line_per_run(tiny_run, tmp_path):
     from ddptrain.plot import make_figure
 
@@ -446,6 +451,7 @@ def test_plot_command_draws_one_line_per_run(tiny_run, tmp_path):
     assert bad.returncode == 2 and "metrics.jsonl does not exist" in bad.stderr
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_wandb_online_without_credentials_falls_back_to_offline_without_a_prompt(tmp_path, monkeypatch):
     from ddptrain.train.metrics import MetricsLogger
 
@@ -471,6 +477,7 @@ def test_wandb_online_without_credentials_falls_back_to_offline_without_a_prompt
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="no /proc (not Linux): ru_maxrss is the measure")
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_processs_peak_memory_on_cpu_is_its_own_not_that_of_the_process_that_started_it():
     """getrusage's ru_maxrss survives exec: a run launched by a process holding 1.5 GiB (a test
     runner with a model loaded, a launcher) would report that as its own peak."""

@@ -29,6 +29,7 @@ print("not stopped", flush=True)
 """
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_signalled_rank_whose_steps_move_is_not_stopped_before_its_next_check():
     result = subprocess.run([sys.executable, "-c", _RANK], capture_output=True, text=True, timeout=120)
     assert "steps moved" in result.stdout, result.stderr[-3000:]
@@ -87,6 +88,7 @@ def _slow_saves(run_dir, *overrides: str, nproc: int = 1, in_save: bool = False)
                           timeout=240, cwd=REPO, env=env)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_signal_in_the_last_steps_before_any_check_lets_the_final_saves_finish(tmp_path):
     """Before, the watchdog timed the last step's saves with its grace period (no check had begun a
     preemption checkpoint, which stands it down): a slow save was cut short, exit 138, and a run
@@ -102,6 +104,7 @@ def test_a_signal_in_the_last_steps_before_any_check_lets_the_final_saves_finish
 
 
 @pytest.mark.parametrize("every, check_every", [(3, 5), (5, 5)], ids=["off-the-check-schedule", "on-a-check-step"])
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_scheduled_checkpoint_after_a_signal_is_the_preemption_checkpoint(tmp_path, every, check_every):
     """2 ranks, SIGUSR1 on rank 1 only, saves slower than the grace period. Before, the step's
     checkpoint.every save ran on the watchdog's clock (the check came after it, or not at that step
@@ -119,6 +122,7 @@ def test_a_scheduled_checkpoint_after_a_signal_is_the_preemption_checkpoint(tmp_
     assert (run_dir / "final").is_dir()
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_signal_during_a_scheduled_save_is_answered_by_that_checkpoint(tmp_path):
     """2 ranks, SIGUSR1 on rank 1 as the checkpoint of step 2 begins, saves slower than the grace
     period, no preemption check before step 5. Before, the signal started the watchdog's clock in

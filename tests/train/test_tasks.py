@@ -161,6 +161,7 @@ def _flip_a_byte(path: Path) -> None:
 
 @pytest.mark.parametrize("case", ["final tampered", "best truncated", "task is a directory", "task not utf-8",
                                   "chat template of the byte tokenizer"])
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line(run_with_best, tmp_path, case):
     import shutil
 
@@ -190,6 +191,7 @@ def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line
     _one_line_error(result, "evaluate error: ", *words)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_task_file_that_is_not_utf8_in_trainer_eval_tasks_is_a_data_error_before_training(tmp_path):
     task = tmp_path / "mc.jsonl"
     task.write_bytes(b'{"context": "the cat", "choices": ["sat", "ran"], "label": 0}\n'
@@ -216,6 +218,7 @@ def hf_run(tmp_path_factory) -> tuple[Path, Path, Path]:
     return run_dir, task, model_dir
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_task_accuracy_in_the_loop_equals_transformers_own_forward_on_the_weights_of_that_step(hf_run):
     run_dir, task, _ = hf_run
     transformers = import_optional("transformers")
@@ -242,6 +245,7 @@ def test_task_accuracy_in_the_loop_equals_transformers_own_forward_on_the_weight
     assert np.allclose(scored, lls, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_the_evaluate_command_prints_the_same_numbers_for_a_run_and_a_transformers_directory(hf_run):
     run_dir, task, _ = hf_run
     acc, acc_norm = _evals(run_dir)[4]
@@ -255,6 +259,7 @@ def test_the_evaluate_command_prints_the_same_numbers_for_a_run_and_a_transforme
     assert evaluate(run_dir / "final", [task], max_length=64) == {"eval/mc/acc": acc, "eval/mc/acc_norm": acc_norm}
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_the_evaluate_command_wraps_contexts_in_the_chat_template(hf_run, tmp_path):
     """A transformers directory with a chat template: each context rendered as a user turn with the
     generation prompt and no delimiter, as lm-evaluation-harness's --apply_chat_template does."""
@@ -291,6 +296,7 @@ def test_the_evaluate_command_wraps_contexts_in_the_chat_template(hf_run, tmp_pa
     assert printed == {"task": "mc", "acc": reference["acc"], "acc_norm": reference["acc_norm"], "items": 24}
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_task_accuracy_of_the_builtin_gpt_equals_its_own_forward_on_the_step_weights(tmp_path):
     task = write_task(tmp_path / "mc.jsonl", items=16, seed=1)
     run_dir = tmp_path / "run"
@@ -304,6 +310,7 @@ def test_task_accuracy_of_the_builtin_gpt_equals_its_own_forward_on_the_step_wei
         assert evals[step] == (reference["acc"], reference["acc_norm"]), step
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_the_plot_draws_task_accuracy_in_a_third_panel(hf_run):
     import_optional("matplotlib")
     from ddptrain.plot import make_figure
@@ -349,6 +356,7 @@ def test_task_accuracy_is_the_same_on_one_and_two_ranks_and_every_strategy(tmp_p
     assert sorted(one_rank) == [1, 2]
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_a_locally_saved_harness_data_set_converts_to_a_task_file(tmp_path):
     datasets = import_optional("datasets")
     arc = datasets.Dataset.from_list([

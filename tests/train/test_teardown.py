@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 
 from ddptrain.train.preemption import PreemptionWatcher
@@ -43,6 +44,7 @@ runpy.run_module("ddptrain", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_a_rank_collects_garbage_again_after_its_imports_with_them_frozen():
     """`python -m ddptrain` pauses the collector through its imports; it must be running again,
     with the imports' objects frozen, when the run starts (and importing the module changes nothing)."""

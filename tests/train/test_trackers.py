@@ -30,6 +30,7 @@ def resumed_run(tmp_path_factory) -> tuple[Path, str]:
     return run_dir, uri
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_tensorboard_holds_every_logged_step_of_loss_once_across_a_resume(resumed_run):
     run_dir, _ = resumed_run
     import_optional("tensorboard")
@@ -44,6 +45,7 @@ def test_tensorboard_holds_every_logged_step_of_loss_once_across_a_resume(resume
     assert "val_loss" in events.Tags()["scalars"] and "config" in str(events.Tags()["tensors"])
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_mlflow_holds_one_run_with_the_params_and_every_step_of_loss_once_across_a_resume(resumed_run):
     run_dir, uri = resumed_run
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for the file store by name
@@ -61,6 +63,7 @@ def test_mlflow_holds_one_run_with_the_params_and_every_step_of_loss_once_across
     assert "final/model.safetensors" in artifacts
 
 
+@pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_an_mlflow_store_that_cannot_be_written_warns_and_training_goes_on(tmp_path):
     not_a_dir = tmp_path / "a_file"
     not_a_dir.write_text("")
@@ -73,6 +76,7 @@ def test_an_mlflow_store_that_cannot_be_written_warns_and_training_goes_on(tmp_p
     assert (run_dir / "final").is_dir()
 
 
+@pytest.mark.slow  # a training launch that waits out the probe: out of the fast tier
 def test_an_mlflow_server_that_is_not_there_warns_within_seconds_and_training_goes_on(tmp_path):
     """MLflow's client retried with backoff for about four minutes, silently, before the run trained."""
     import time

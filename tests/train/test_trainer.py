@@ -32,6 +32,7 @@ def _trainer(run_dir, *overrides) -> Trainer:
     return trainer
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_empty_global_batch_is_skipped_counted_and_warned(tmp_path, caplog):
     trainer = _trainer(tmp_path, "trainer.max_steps=4")
     try:
@@ -56,6 +57,7 @@ def test_empty_global_batch_stops_when_configured(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path)] == [1]
 
 
+@pytest.mark.slow  # a trained run or a process launch (seconds): out of the fast tier
 def test_eval_examples_beyond_the_validation_split_are_named_at_start_up(tmp_path, caplog):
     """The evaluator took min(trainer.eval_examples, split size) without a word: asking for 100000
     evaluated the split's few hundred as if that were what was asked."""
