@@ -303,7 +303,8 @@ def test_grpo_learning_benchmark_prints_the_held_out_reward_along_the_run():
     from tests.real_model import smollm2_dir
 
     smollm2_dir()  # or skip, saying what is missing
-    out = _run("benchmarks.bench_grpo_learning", "--segments", "1", "--steps", "1", "--held-out", "4", "--nproc", "1")
+    out = _run("benchmarks.bench_grpo_learning", "--segments", "1", "--steps", "1", "--held-out", "2", "--nproc", "1",
+               "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4")
     lines = out.splitlines()
     assert lines[0].startswith("benchmarks.bench_grpo_learning: SmolLM2-135M-Instruct + LoRA"), out
     assert lines[1].split() == ["step", "train", "reward", "held-out", "reward", "seconds"], out
