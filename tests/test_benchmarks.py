@@ -105,8 +105,8 @@ def test_peer_benchmark_compiles_the_contenders_named_with_plus_compile(tmp_path
     cache = tmp_path / "inductor"
     # One rank each: what is checked is the compiling, which two ranks would do twice.
     out = _run("benchmarks.bench_peer", "--contenders", "ddptrain-pack+compile,hf-group+compile", "--rounds", "1",
-               "--steps", "6", "--log-every", "2", "--seq-len", "128", "--width", "32", "--layers", "1",
-               "--world-size", "1", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+               "--steps", "4", "--log-every", "2", "--seq-len", "64", "--global-batch", "4", "--micro", "2",
+               "--width", "32", "--layers", "1", "--world-size", "1", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
     lines = out.splitlines()
     rows = [line.split()[0] for line in lines[lines.index("") + 2:] if "/" not in line]
     assert rows == ["ddptrain-pack+compile", "hf-group+compile"], out
