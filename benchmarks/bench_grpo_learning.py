@@ -25,13 +25,15 @@ import time
 from pathlib import Path
 
 
-def _train(model_dir: Path, prompts: Path, run_dir: Path, steps: int, total: int, nproc: int, lr: float) -> float:
+def _train(model_dir: Path, prompts: Path, run_dir: Path, steps: int, total: int, args: argparse.Namespace) -> float:
     """Train the run up to `steps` (of a schedule of `total`); the launch's seconds."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                "-m", "ddptrain", "model=hf", f"model.path={model_dir}", "model.lora.r=16", "data=prompts",
-               "objective=grpo", f"data.paths=[{prompts}]", "reward.functions=[exact_match]", "rl.group_size=8",
-               "rl.max_new_tokens=16", "batch.global_size=8", "batch.micro_size=4", "batch.seq_len=96",
-               f"trainer.max_steps={steps}", f"optim.decay_steps={total}", "trainer.log_every=1", f"optim.lr={lr}",
+               "objective=grpo", f"data.paths=[{prompts}]", "reward.functions=[exact_match]",
+               f"rl.group_size={args.group_size}", f"rl.max_new_tokens={args.max_new_tokens}",
+               f"batch.global_size={args.prompts_per_step}", f"batch.micro_size={min(4, args.prompts_per_step)}",
+               "batch.seq_len=96", f"trainer.max_steps={steps}", f"optim.decay_steps={total}", "trainer.log_every=1",
+               f"optim.lr={args.lr}",
                "optim.warmup_steps=0", "logger.progress=lines", f"run.dir={run_dir}"]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True,
@@ -48,6 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--held-out", type=int, default=48, help="held-out prompts evaluated after each segment")
     parser.add_argument("--nproc", type=int, default=2, help="ranks")
     parser.add_argument("--lr", type=float, default=2e-4, help="the LoRA adapter's learning rate")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per GRPO step (batch.global_size)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (rl.group_size)")
+    parser.add_argument("--max-new-tokens", type=int, default=16,
+                        help="tokens per completion, in training and in the held-out evaluation")
     args = parser.parse_args(argv)
 
     import ddptrain
@@ -65,18 +71,19 @@ def main(argv: list[str] | None = None) -> None:
         held_out = sum_prompts(args.held_out, seed=1)
         run_dir, total = work / "run", args.segments * args.steps
         print(f"benchmarks.bench_grpo_learning: SmolLM2-135M-Instruct + LoRA r=16, two-digit sums, exact_match; "
-              f"8 prompts x 8 completions of <= 16 tokens per step, {args.nproc} rank(s), lr {args.lr}; "
+              f"{args.prompts_per_step} prompts x {args.group_size} completions of <= {args.max_new_tokens} tokens "
+              f"per step, {args.nproc} rank(s), lr {args.lr}; "
               f"held-out: {args.held_out} prompts, greedy")
         print(f"{'step':>5} {'train reward':>13} {'held-out reward':>16} {'seconds':>8}")
         base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-        print(f"{0:>5} {'-':>13} {held_out_reward(base, tokenizer_file, held_out):>16.3f} {'-':>8}", flush=True)
+        print(f"{0:>5} {'-':>13} {held_out_reward(base, tokenizer_file, held_out, args.max_new_tokens):>16.3f} {'-':>8}", flush=True)
         del base
         for segment in range(1, args.segments + 1):
             steps = segment * args.steps
-            seconds = _train(model_dir, prompts, run_dir, steps, total, args.nproc, args.lr)
+            seconds = _train(model_dir, prompts, run_dir, steps, total, args)
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
             rewards = [r["reward"] for r in records if steps - args.steps < r["step"] <= steps and r["reward"] is not None]
-            reward = held_out_reward(ddptrain.load_model(run_dir), tokenizer_file, held_out)
+            reward = held_out_reward(ddptrain.load_model(run_dir), tokenizer_file, held_out, args.max_new_tokens)
             print(f"{steps:>5} {sum(rewards) / max(len(rewards), 1):>13.3f} {reward:>16.3f} {seconds:>8.0f}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -105,8 +105,8 @@ def test_peer_benchmark_compiles_the_contenders_named_with_plus_compile(tmp_path
     cache = tmp_path / "inductor"
     # One rank each: what is checked is the compiling, which two ranks would do twice.
     out = _run("benchmarks.bench_peer", "--contenders", "ddptrain-pack+compile,hf-group+compile", "--rounds", "1",
-               "--steps", "6", "--log-every", "2", "--seq-len", "128", "--width", "32", "--layers", "1",
-               "--world-size", "1", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+               "--steps", "4", "--log-every", "2", "--seq-len", "64", "--global-batch", "4", "--micro", "2",
+               "--width", "32", "--layers", "1", "--world-size", "1", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
     lines = out.splitlines()
     rows = [line.split()[0] for line in lines[lines.index("") + 2:] if "/" not in line]
     assert rows == ["ddptrain-pack+compile", "hf-group+compile"], out
@@ -118,8 +118,8 @@ def test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl():
     import_optional("trl")
     # Two contenders keep it short (each is a 2-rank torchrun); the other layouts print the same rows.
     out = _run("benchmarks.bench_peer", "--mode", "sft", "--contenders", "ddptrain-pack,trl", "--rounds", "1",
-               "--steps", "3", "--log-every", "1",
-               "--seq-len", "128", "--global-batch", "4", "--micro", "2", "--chats", "40", "--words", "200",
+               "--steps", "2", "--log-every", "1", "--world-size", "1",
+               "--seq-len", "128", "--global-batch", "2", "--micro", "1", "--chats", "40", "--words", "200",
                "--vocab", "400", "--width", "32", "--layers", "1", "--heads", "2")
     assert out.startswith("benchmarks.bench_peer --mode sft: Llama 1 x 32, vocab 400, 40 chats"), out
     lines = out.splitlines()
@@ -139,8 +139,9 @@ def test_peer_benchmark_dpo_mode_prints_pairs_per_second_and_peak_memory_beside_
     import_optional("trl")
     import_optional("peft")
     out = _run("benchmarks.bench_peer", "--mode", "dpo", "--contenders", "ddptrain-pack,trl", "--rounds", "1",
-               "--steps", "3", "--log-every", "1", "--seq-len", "128", "--global-batch", "4", "--micro", "2",
-               "--pairs", "40", "--words", "200", "--vocab", "400", "--width", "32", "--layers", "1", "--heads", "2")
+               "--steps", "2", "--log-every", "1", "--seq-len", "128", "--global-batch", "2", "--micro", "1",
+               "--pairs", "40", "--words", "200", "--vocab", "400", "--width", "32", "--layers", "1", "--heads", "2",
+               "--world-size", "1")
     lines = out.splitlines()
     assert lines[0].startswith("benchmarks.bench_peer --mode dpo: Llama 1 x 32, vocab 400 ("), out
     assert re.search(r", 40 pairs of \d+\.\.\d+ padded positions", lines[0]), out
@@ -239,7 +240,7 @@ def test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl():
     smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
     out = _run("benchmarks.bench_peer", "--mode", "sft", "--real", "--contenders", "ddptrain-default,trl",
                "--finetune", "lora", "--rounds", "1", "--steps", "2", "--log-every", "1", "--chats", "40",
-               "--global-batch", "4", "--micro", "2", "--seq-len", "128")
+               "--global-batch", "2", "--micro", "1", "--seq-len", "128", "--world-size", "1")
     lines = out.splitlines()
     assert lines[0].startswith("benchmarks.bench_peer --mode sft --real: SmolLM2-135M-Instruct"), out
     assert re.fullmatch(r"trl-pack keeps documents apart: (yes|NO) \(.*\)", lines[1]), out
@@ -303,7 +304,8 @@ def test_grpo_learning_benchmark_prints_the_held_out_reward_along_the_run():
     from tests.real_model import smollm2_dir
 
     smollm2_dir()  # or skip, saying what is missing
-    out = _run("benchmarks.bench_grpo_learning", "--segments", "1", "--steps", "1", "--held-out", "4", "--nproc", "1")
+    out = _run("benchmarks.bench_grpo_learning", "--segments", "1", "--steps", "1", "--held-out", "2", "--nproc", "1",
+               "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4")
     lines = out.splitlines()
     assert lines[0].startswith("benchmarks.bench_grpo_learning: SmolLM2-135M-Instruct + LoRA"), out
     assert lines[1].split() == ["step", "train", "reward", "held-out", "reward", "seconds"], out
@@ -319,7 +321,7 @@ def test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_be
     smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
     out = _run("benchmarks.bench_peer", "--mode", "dpo", "--real", "--contenders", "ddptrain-pack,trl",
                "--finetune", "lora", "--rounds", "1", "--steps", "2", "--log-every", "1", "--pairs", "24",
-               "--global-batch", "4", "--micro", "2", "--seq-len", "128")
+               "--global-batch", "2", "--micro", "1", "--seq-len", "128", "--world-size", "1")
     lines = out.splitlines()
     assert lines[0].startswith("benchmarks.bench_peer --mode dpo --real: SmolLM2-135M-Instruct"), out
     rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2:] if line.strip()}
@@ -333,7 +335,7 @@ def test_peer_benchmark_grpo_mode_prints_seconds_per_step_and_peak_memory_beside
     import_optional("peft")
     out = _run("benchmarks.bench_peer", "--mode", "grpo", "--finetune", "lora", "--rounds", "1", "--steps", "2",
                "--log-every", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
-               "--prompts", "16", "--width", "32", "--layers", "1", "--heads", "2")
+               "--prompts", "16", "--width", "32", "--layers", "1", "--heads", "2", "--world-size", "1")
     lines = out.splitlines()
     assert lines[0].startswith("benchmarks.bench_peer --mode grpo: Llama 1 x 32, vocab 400, two-digit sums, "
                                "exact_match; 2 prompts x 2 completions of <= 8 tokens per step"), out
@@ -352,8 +354,8 @@ def test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step
     from tests.real_text import wordnet_glosses
 
     smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
-    out = _run("benchmarks.bench_memory_lora", "--steps", "1", "--global-batch", "4", "--seq-len", "128",
-               "--layouts", "batch.micro_size=4;batch.micro_size=1", "--profile", "5")
+    out = _run("benchmarks.bench_memory_lora", "--steps", "1", "--global-batch", "2", "--seq-len", "64",
+               "--layouts", "batch.micro_size=2;batch.micro_size=1", "--profile", "5")
     assert "aten::mm" in out, out  # the profiler's table of the last (here: only) step
     lines = out.splitlines()
     assert lines[0].startswith("benchmarks.bench_memory_lora: SmolLM2-135M-Instruct, LoRA r=16"), out
