@@ -59,8 +59,16 @@ def straight(tmp_path_factory):
                                                        "checkpoint.keep=5"])
 
 
-def test_resume_is_bitwise_exact(straight, tmp_path):
-    train(tmp_path, "trainer.max_steps=6", "checkpoint.every=3")
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """The first launch of a resumed run: 2 ranks, 6 steps, checkpoints every 3; a test resumes a copy of it."""
+    run_dir = tmp_path_factory.mktemp("six-steps") / "run"
+    train(run_dir, "trainer.max_steps=6", "checkpoint.every=3")
+    return run_dir
+
+
+def test_resume_is_bitwise_exact(straight, six_steps, tmp_path):
+    shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
     train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3")
     assert "resumed from" in (tmp_path / "train.log").read_text()
     assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 13))
@@ -240,8 +248,8 @@ def test_sigterm_to_one_rank_checkpoints_and_exits_with_the_documented_code(tmp_
     assert_bitwise_equal(final_weights(run_dir, 60), final_weights(reference, 60))
 
 
-def test_resume_on_fewer_ranks_continues_the_same_samples(straight, tmp_path):
-    train(tmp_path, "trainer.max_steps=6", "checkpoint.every=3")
+def test_resume_on_fewer_ranks_continues_the_same_samples(straight, six_steps, tmp_path):
+    shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
     train(tmp_path, "trainer.max_steps=12", "checkpoint.every=3", nproc=1)
     mine, reference = read_metrics(tmp_path), read_metrics(straight)
     assert [m["samples_seen"] for m in mine] == [m["samples_seen"] for m in reference]

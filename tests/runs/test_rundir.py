@@ -20,7 +20,7 @@ import torch
 
 from ddptrain.runs import store as ckpt
 from ddptrain.runs.lock import LOCK, RunDirLock, RunDirLocked
-from tests.helpers import REPO, SMALL_RUN, read_metrics, run_cli, write_earlier_run
+from tests.helpers import REPO, SMALL_RUN, finished_run, read_metrics, run_cli, write_earlier_run
 
 
 def _start(args: list[str], nproc: int, env: dict | None = None) -> subprocess.Popen:
@@ -132,8 +132,9 @@ def test_workers_do_not_outlive_torchrun_and_the_next_launch_resumes(tmp_path):
             os.kill(pid, signal.SIGKILL)
     stopped_at = len(read_metrics(run_dir))
     assert stopped_at < 400
-    # They took the parent's death as a preemption: a checkpoint at a step boundary, then exit.
-    resumed = run_cli([*SMALL_RUN, "trainer.max_steps=400", "trainer.log_every=50", f"run.dir={run_dir}"], nproc=2,
+    # They took the parent's death as a preemption: a checkpoint at a step boundary, then exit. The next
+    # launch resumes from it and trains a few steps more (not the other ~400: they test nothing here).
+    resumed = run_cli([*SMALL_RUN, f"trainer.max_steps={stopped_at + 3}", f"run.dir={run_dir}"], nproc=2,
                       timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "in use by another run" not in resumed.stderr
@@ -193,11 +194,20 @@ def test_purge_never_deletes_the_checkpoint_just_written(tmp_path):
 # -- resuming with another config -----------------------------------------------------------------
 
 
+TWO_STEPS = [*SMALL_RUN, "optim.schedule=constant", "optim.warmup_steps=0", "checkpoint.every=2"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> Path:
+    """TWO_STEPS trained for 2 steps on one rank: the earlier run of a relaunch; a test relaunches a copy of it."""
+    return finished_run(tmp_path_factory, "two-steps", [*TWO_STEPS, "trainer.max_steps=2"])
+
+
 @pytest.mark.slow
-def test_resume_refuses_changed_keys_by_name_and_applies_a_new_learning_rate(tmp_path):
+def test_resume_refuses_changed_keys_by_name_and_applies_a_new_learning_rate(two_steps, tmp_path):
     run_dir = tmp_path / "run"
-    base = [*SMALL_RUN, f"run.dir={run_dir}", "optim.schedule=constant", "optim.warmup_steps=0"]
-    assert run_cli([*base, "trainer.max_steps=2"]).returncode == 0
+    shutil.copytree(two_steps, run_dir)
+    base = [*TWO_STEPS, f"run.dir={run_dir}"]
     config_before = (run_dir / "config.yaml").read_text()
     for change, expected in [("run.seed=7", "run.seed: 1234 -> 7"), ("model.n_embd=64", "model.n_embd: 32 -> 64"),
                              ("optim=sgd", "optim.name: 'adamw' -> 'sgd'"),
@@ -353,13 +363,14 @@ def _files_of(directory: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_an_earlier_run_that_cannot_be_moved_aside_is_a_run_dir_error_on_every_rank_and_stays_whole(tmp_path):
+def test_an_earlier_run_that_cannot_be_moved_aside_is_a_run_dir_error_on_every_rank_and_stays_whole(two_steps,
+                                                                                                    tmp_path):
     """previous/ a FILE (root cannot create a directory under a file either): rank 0's move fails
     before anything moves; every rank reports the run.dir error and exits 2, none waits at the
     barrier for the timeout, and the earlier run is untouched."""
     run_dir = tmp_path / "run"
-    base = [*SMALL_RUN, f"run.dir={run_dir}", "trainer.max_steps=2", "checkpoint.every=2"]
-    assert run_cli(base).returncode == 0
+    shutil.copytree(two_steps, run_dir)
+    base = [*TWO_STEPS, f"run.dir={run_dir}", "trainer.max_steps=2"]
     (run_dir / "previous").write_text("not a directory")
     before = _files_of(run_dir)
     # A rank waiting at the barrier would wait dist.timeout_s (1800 s): the command's own limit (600 s) ends

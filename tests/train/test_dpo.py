@@ -4,6 +4,7 @@ two ranks (torchrun, gloo), and the loss after one update equal to TRL DPOTraine
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,27 +45,58 @@ def test_dpo_and_preference_data_go_together_and_dpo_keys_need_dpo():
                                                      "precompute_reference": False}
 
 
+class LaunchedOnce:
+    """The 48 training pairs both layout tests train on, and each one-launch run of theirs launched once
+    in this file (the ddp run under a token budget is in both); a test reads these runs, never changes them."""
+
+    def __init__(self, root: Path):
+        self.root, self.launched = root, {}
+        model_dir = _llama_with_chat_tokenizer(root / "model")
+        train = write_jsonl(root / "train.jsonl", random_pairs(48, seed=11, conversational=True))
+        val = write_jsonl(root / "val.jsonl", random_pairs(6, seed=12, conversational=True))
+        self.common = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
+                       # at lr 0.5 the loss climbs and amplifies fp32's rounding (zero2's other reduction order)
+                       f"data.cache_dir={root / 'cache'}", "optim.lr=0.05"]
+
+    def base(self, lora: bool) -> list[str]:
+        return [*self.common, *(["model.lora.r=4"] if lora else [])]
+
+    def run(self, lora: bool, ranks: int, options: list[str]) -> tuple[Path, str]:
+        """(run dir, stderr) of these pairs trained with `options` on `ranks` ranks."""
+        key = (lora, ranks, tuple(sorted(options)))
+        if key not in self.launched:
+            run_dir = self.root / f"run{len(self.launched)}"
+            result = run_cli([*self.base(lora), *options, f"run.dir={run_dir}"], nproc=ranks)
+            assert result.returncode == 0, (key, result.stderr[-3000:])
+            self.launched[key] = run_dir, result.stderr
+        return self.launched[key]
+
+
+@pytest.fixture(scope="module")
+def pairs_48(tmp_path_factory) -> LaunchedOnce:
+    return LaunchedOnce(tmp_path_factory.mktemp("pairs-48"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_dpo_is_exact_over_layouts_ranks_budgets_packing_and_resume(tmp_path, lora):
-    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
-    train = write_jsonl(tmp_path / "train.jsonl", random_pairs(48, seed=11, conversational=True))
-    val = write_jsonl(tmp_path / "val.jsonl", random_pairs(6, seed=12, conversational=True))
-    base = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
-            f"data.cache_dir={tmp_path / 'cache'}", *(["model.lora.r=4"] if lora else [])]
+def test_dpo_is_exact_over_layouts_ranks_budgets_packing_and_resume(pairs_48, tmp_path, lora):
     layouts = {"1x8": (1, ["batch.micro_size=8"]), "2x2": (2, ["batch.micro_size=2"]),
                "2 ranks, budget": (2, [f"batch.micro_tokens={2 * SEQ}"]),
                "packed": (1, ["batch.pack=true", "batch.micro_size=1"]),
                "2 ranks, packed, budget": (2, ["batch.pack=true", f"batch.micro_tokens={4 * SEQ}"])}
     curves, outputs = {}, {}
     for name, (ranks, options) in layouts.items():
-        run_dir = tmp_path / name.replace(" ", "").replace(",", "_")
         if name == "2x2":  # two steps, then a re-run with three resumes from the final checkpoint
-            first = run_cli([*base, *options, "trainer.max_steps=2", f"run.dir={run_dir}"], nproc=ranks)
+            run_dir = tmp_path / "2x2"
+            first = run_cli([*pairs_48.base(lora), *options, "trainer.max_steps=2", f"run.dir={run_dir}"],
+                            nproc=ranks)
             assert first.returncode == 0, first.stderr[-3000:]
-        result = run_cli([*base, *options, f"run.dir={run_dir}"], nproc=ranks)
-        assert result.returncode == 0, result.stderr[-3000:]
-        curves[name], outputs[name] = read_metrics(run_dir), result.stderr
+            result = run_cli([*pairs_48.base(lora), *options, f"run.dir={run_dir}"], nproc=ranks)
+            assert result.returncode == 0, result.stderr[-3000:]
+            stderr = result.stderr
+        else:
+            run_dir, stderr = pairs_48.run(lora, ranks, options)
+        curves[name], outputs[name] = read_metrics(run_dir), stderr
     assert "resumed from" in outputs["2x2"]
     reference = curves["1x8"]
     assert reference[0]["loss"] == pytest.approx(math.log(2), rel=1e-12), "step 1: the policy is the reference"
@@ -163,25 +195,14 @@ def test_precomputed_reference_log_probs_give_the_same_run_survive_a_resume_and_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_dpo_gives_the_same_losses_and_rewards_on_fsdp_and_zero2_as_ddp(tmp_path, lora):
+def test_dpo_gives_the_same_losses_and_rewards_on_fsdp_and_zero2_as_ddp(pairs_48, lora):
     """fsdp in fp64 to 1e-9 and zero2 in fp32 to 1e-6 against ddp, 2 ranks under a token budget (ragged
     microbatch counts: a rank runs filler forwards, the reference's included)."""
-    model_dir = _llama_with_chat_tokenizer(tmp_path / "model")
-    train = write_jsonl(tmp_path / "train.jsonl", random_pairs(48, seed=11, conversational=True))
-    val = write_jsonl(tmp_path / "val.jsonl", random_pairs(6, seed=12, conversational=True))
-    base = [*DPO_RUN, f"model.path={model_dir}", f"data.paths=[{train}]", f"data.val_paths=[{val}]",
-            f"data.cache_dir={tmp_path / 'cache'}", f"batch.micro_tokens={2 * SEQ}",
-            "optim.lr=0.05",  # at 0.5 the loss climbs and amplifies fp32's rounding (zero2's other reduction order)
-            *(["model.lora.r=4"] if lora else [])]
     import_deepspeed()
     runs = {"ddp fp64": [], "fsdp fp64": ["strategy=fsdp"], "ddp fp32": ["trainer.precision=fp32"],
             "zero2 fp32": ["strategy=zero2", "trainer.precision=fp32"]}
-    curves = {}
-    for name, options in runs.items():
-        run_dir = tmp_path / name.replace(" ", "-")
-        result = run_cli([*base, *options, f"run.dir={run_dir}"], nproc=2)
-        assert result.returncode == 0, (name, result.stderr[-3000:])
-        curves[name] = read_metrics(run_dir)
+    curves = {name: read_metrics(pairs_48.run(lora, 2, [f"batch.micro_tokens={2 * SEQ}", *options])[0])
+              for name, options in runs.items()}
     assert any(m["filler_microbatches"] > 0 for m in curves["fsdp fp64"]), "the budget must leave a rank short"
     # (relative, absolute) tolerances; the rewards' margin can pass near 0, where only an absolute one holds
     pairs = {("ddp fp64", "fsdp fp64"): (1e-9, 1e-12), ("ddp fp32", "zero2 fp32"): (1e-6, 1e-6)}
