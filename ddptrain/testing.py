@@ -1,6 +1,7 @@
-"""run_distributed: run a function on N real gloo ranks (spawned processes) and collect results.
+"""run_distributed: run a function on N real gloo ranks (processes forked from a fork server that
+imported torch once) and collect results.
 
-The OLMo-core pattern (`run_distributed_test`): one helper picks a free port, spawns the ranks,
+The OLMo-core pattern (`run_distributed_test`): one helper picks a free port, starts the ranks,
 sets the torchrun environment, initialises the group through ddptrain.init_distributed and
 destroys it in `finally`. No private torch.testing._internal APIs.
 """
