@@ -328,7 +328,7 @@ class DeepSpeedStrategy(Strategy):
                                 accumulation, n, level)]
         return [Footprint(cls.name, cls.name, all_params / n if stage == 3 else all_params,
                           trained if stage == 1 else trained / n, layout.optimizer_state_bytes(trained) / n, other,
-                          comms, [note])]
+                          comms, [note], frozen_copy_shards=n if stage == 3 else 1)]  # ZeRO3.hold_frozen
 
     def __init__(self, micro_batch_size: int = 1, grad_accum_steps: int = 1, deepspeed: Mapping | None = None):
         self._deepspeed = import_deepspeed(self.name)

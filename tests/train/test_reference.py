@@ -179,5 +179,6 @@ def test_the_memory_plan_divides_a_frozen_copy_by_the_ranks_that_shard_it():
     layout = Layout(world_size=4, ranks_per_node=2, replicate=2, micro_batch_size=1, seq_len=8, grad_accum_steps=1,
                     precision="fp32", optimizer="adamw")
     shards = {footprint.name: footprint.frozen_copy_shards
-              for name in ("ddp", "fsdp") for footprint in strategy_class(name).memory_per_rank(counts, layout)}
-    assert shards == {"ddp": 1, "fsdp": 4, "hsdp": 2}, "hsdp: sharded within a replica of 2 ranks"
+              for name in ("ddp", "fsdp", "zero2", "zero3")
+              for footprint in strategy_class(name).memory_per_rank(counts, layout)}
+    assert shards == {"ddp": 1, "fsdp": 4, "hsdp": 2, "zero2": 1, "zero3": 4}, "hsdp: sharded within a replica of 2 ranks"
