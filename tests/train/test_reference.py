@@ -98,6 +98,12 @@ ZERO3 = {"micro_batch_size": 2, "grad_accum_steps": 2,  # every weight partition
          "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
 
 
+def held_elements(strategy, params) -> int:
+    """Elements of `params` this rank holds under `strategy`: its shards or ZeRO-3 partitions (`ds_tensor`),
+    and a partitioned parameter's whole data where DeepSpeed keeps it (gathered, or persisted once gathered)."""
+    return sum(strategy.local_tensor(p).numel() + (p.data.numel() if hasattr(p, "ds_tensor") else 0) for p in params)
+
+
 def _zero3_run(directory: Path, reference: str, held_as: str) -> dict:
     """STEPS DPO steps under zero3 in fp32 (ragged microbatch counts: fillers run), the reference
     `reference` ("initial": the policy's initial weights; "other": a GPT of another seed, weights of its
@@ -136,8 +142,7 @@ def _zero3_run(directory: Path, reference: str, held_as: str) -> dict:
         fillers += most - len(filled)
     params = list(reference.model.parameters())
     return {"losses": losses, "logps": logps, "fillers": fillers, "weights": reference.weights,
-            "held": sum(Strategy.local_tensor(p).numel() for p in params),
-            "whole": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
+            "held": held_elements(engine.strategy, params), "whole": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
 
 
 def _zero3_runs(directory: str) -> dict:
@@ -159,7 +164,7 @@ def test_the_zero3_reference_is_partitioned_and_gives_the_whole_copys_log_probs(
         for reference in ("initial", "other"):
             whole, partitioned = rank[reference, "whole"], rank[reference, "partitioned"]
             assert whole["held"] == whole["whole"]
-            assert partitioned["held"] <= 0.55 * partitioned["whole"], (reference, "each of 2 ranks holds its half")
+            assert 0.45 <= partitioned["held"] / partitioned["whole"] <= 0.55, (reference, "each of 2 ranks holds its half")
             assert partitioned["weights"] == whole["weights"], (reference, "the fingerprint gathers the partitions")
             assert whole["losses"][-1] != whole["losses"][0], "it trained"
             for got, want in zip(partitioned["logps"] + [partitioned["losses"]], whole["logps"] + [whole["losses"]],
