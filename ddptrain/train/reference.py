@@ -9,7 +9,9 @@ PairTargets; this fills them in, without gradients, for every microbatch of the 
   policy and held as the strategy holds weights (`Strategy.frozen_copy`, `Strategy.hold_frozen`):
   whole on every rank under ddp, zero1 and zero2 (one more replica of the weights), sharded like
   the policy under fsdp (each rank holds its shards, gathered unit by unit in the reference's
-  forward); under zero3 still whole (see docs/preference.md).
+  forward) and under zero3 (each rank holds its partitions, gathered module by module by the hooks
+  of a DeepSpeed engine without optimizer); in both, a copy of the initial weights is a meta
+  skeleton filled from the policy's own shards, so no rank holds it whole.
 
 With objective.precompute_reference=true they are computed once before step 1 instead, for every
 pair of both splits (spread over the ranks, summed), and kept in the data cache under a key of the
