@@ -1,7 +1,8 @@
 """train_on_rollouts on real gloo ranks: the SAME rollouts (saved, replayed) give the exact GRPO update
 (tests/engine/grpo_reference.py) for every loss aggregation on 2 ranks x 2 prompts per microbatch,
 2 ranks under a token budget, 2 ranks with packed rows, and fsdp, in fp64 to 1e-9; zero2 (DeepSpeed
-refuses fp64) in fp32 equals ddp in fp32 to 1e-6; a LoRA policy's reference is its base. Each layout runs on-policy, and with 2 updates, the
+refuses fp64) in fp32 equals ddp in fp32 to 1e-6, and so does zero3 with its KL reference partitioned; a LoRA
+policy's reference is its base. Each layout runs on-policy, and with 2 updates, the
 KL term, clipping and masked truncation."""
 
 from __future__ import annotations

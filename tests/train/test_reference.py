@@ -1,5 +1,6 @@
-"""DPO's frozen reference held as the strategy holds weights: sharded like the policy under fsdp,
-with the losses and rewards of the whole copy every rank held before (2 gloo ranks, fp64)."""
+"""DPO's frozen reference held as the strategy holds weights: sharded like the policy under fsdp (the
+losses and rewards of the whole copy every rank held before, 2 gloo ranks, fp64) and partitioned under
+zero3 (the whole copy's reference log-probs and losses, fp32: DeepSpeed refuses fp64)."""
 
 from __future__ import annotations
 
