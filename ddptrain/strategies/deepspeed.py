@@ -649,8 +649,9 @@ class ZeRO3(DeepSpeedStrategy):
         after (TRL holds its ZeRO-3 reference so too). A `frozen_copy` skeleton (parameters on the
         meta device) gets copies of the model's own partitions (`ds_tensor`), taken before the first
         step: the initial weights; no rank holds more than one of its parameters whole. A module with
-        weights of its own is partitioned with those weights. Its forward must run on every rank
-        alike (the Reference's filler forwards)."""
+        weights of its own is partitioned with those weights (rank 0's: DeepSpeed's Init broadcasts
+        each parameter before it partitions it, the skeleton's uninitialised ones too, once at the
+        start). Its forward must run on every rank alike (the Reference's filler forwards)."""
         skeleton = any(param.is_meta for param in module.parameters())
         dtype = dtype or torch.float32  # DeepSpeed partitions fp32 weights here (setup refuses others)
         policy = dict(self._module.named_parameters())
