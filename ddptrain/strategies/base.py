@@ -150,6 +150,16 @@ class Strategy(abc.ABC):
         reference.requires_grad_(False)
         return reference.eval()
 
+    @staticmethod
+    def meta_skeleton(model: nn.Module) -> nn.Module:
+        """A frozen copy of `model`'s structure, its parameters on the meta device (no memory; ties
+        kept; buffers copied): what a strategy that shards weights fills from the model's own shards
+        in `hold_frozen`, so that no rank ever holds a whole copy."""
+        memo = {id(param): nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+                for param in model.parameters()}  # deepcopy takes these for the parameters (ties kept)
+        reference = copy.deepcopy(model, memo)
+        return reference.requires_grad_(False)  # eval() once materialized: transformers' eval() refuses meta
+
     def hold_frozen(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
         """`frozen_copy`'s copy, on `device` (in `dtype` if given), held as this strategy holds the
         model's weights: whole on every rank by default, as ddp and ZeRO-1/2 hold the model's. Its
@@ -175,6 +185,10 @@ class Strategy(abc.ABC):
     def local_tensor(param: torch.Tensor) -> torch.Tensor:
         """What this rank holds of `param` (a DTensor's local shard)."""
         return param.to_local() if isinstance(param, DTensor) else param.detach()
+
+    def whole_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """`param` whole, on every rank (collective where it is sharded: a DTensor's shards gathered)."""
+        return param.full_tensor().detach() if isinstance(param, DTensor) else param.detach()
 
     # -- checkpoints: the strategy-neutral layout of ddptrain/strategies/state.py -----------------
 

@@ -328,7 +328,7 @@ class DeepSpeedStrategy(Strategy):
                                 accumulation, n, level)]
         return [Footprint(cls.name, cls.name, all_params / n if stage == 3 else all_params,
                           trained if stage == 1 else trained / n, layout.optimizer_state_bytes(trained) / n, other,
-                          comms, [note])]
+                          comms, [note], frozen_copy_shards=n if stage == 3 else 1)]  # ZeRO3.hold_frozen
 
     def __init__(self, micro_batch_size: int = 1, grad_accum_steps: int = 1, deepspeed: Mapping | None = None):
         self._deepspeed = import_deepspeed(self.name)
@@ -416,6 +416,13 @@ class DeepSpeedStrategy(Strategy):
         """ZeRO-3 keeps this rank's partition of a parameter in `ds_tensor` (the parameter itself is
         empty outside a gather); stages 1 and 2 hold the full weights."""
         return getattr(param, "ds_tensor", param).detach()
+
+    def whole_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """Stage 3: a copy of `param` gathered from its partitions (collective); stages 1 and 2: itself."""
+        if not hasattr(param, "ds_id"):
+            return param.detach()
+        with self._deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            return param.detach().clone()
 
     def model_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """Full weights as CPU tensors on every rank; stage 3 gathers each parameter collectively
@@ -628,3 +635,61 @@ class ZeRO3(DeepSpeedStrategy):
     communicates_every_microbatch = True
     gathers_per_module_call = True  # its hooks gather a module's partitioned weights on each call
     shards_weights = True
+
+    @classmethod
+    def frozen_copy(cls, model: nn.Module) -> nn.Module:
+        """The copy's structure, its parameters on the meta device (`Strategy.meta_skeleton`):
+        `hold_frozen` fills this rank's partitions from the model's, so no rank holds a whole copy."""
+        return cls.meta_skeleton(model)
+
+    def hold_frozen(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+        """Partitioned over the ranks as the model is (the same group and partition sizes, through
+        the model's own `zero.Init` settings), one parameter at a time, then wrapped in an engine
+        without optimizer whose hooks gather each module's weights for its forward and free them
+        after (TRL holds its ZeRO-3 reference so too). A `frozen_copy` skeleton (parameters on the
+        meta device) gets copies of the model's own partitions (`ds_tensor`), taken before the first
+        step: the initial weights; no rank holds more than one of its parameters whole. A module with
+        weights of its own is partitioned with those weights (rank 0's: DeepSpeed's Init broadcasts
+        each parameter before it partitions it, the skeleton's uninitialised ones too, once at the
+        start). Its forward must run on every rank alike (the Reference's filler forwards)."""
+        skeleton = any(param.is_meta for param in module.parameters())
+        dtype = dtype or torch.float32  # DeepSpeed partitions fp32 weights here (setup refuses others)
+        policy = dict(self._module.named_parameters())
+        anchor = next(param for param in policy.values() if hasattr(param, "ds_id"))
+        with torch.no_grad():
+            for name, param in _one_at_a_time(module, device, dtype):
+                anchor.convert_to_zero_parameters(param_list=[param])  # partition, free the whole tensor
+                if skeleton:
+                    mine, theirs = param.ds_tensor, policy[name].ds_tensor
+                    if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+                        raise RuntimeError(f"zero3: the frozen copy's partition of {name} is {tuple(mine.shape)} "
+                                           f"{mine.dtype}, the model's {tuple(theirs.shape)} {theirs.dtype}")
+                    mine.copy_(theirs)
+            for owner in module.modules():  # the engine leaves a partitioned module where it is
+                for key, buffer in owner._buffers.items():
+                    if buffer is not None:
+                        owner._buffers[key] = buffer.to(device)
+        config = {key: value for key, value in self.config.items() if key not in ("optimizer", "scheduler")}
+        engine, *_ = self._deepspeed.initialize(model=module, config=config)
+        # Kept as long as the module (not as a submodule): the engine removes its hooks when deleted.
+        module.__dict__["_deepspeed_engine"] = engine
+        return module.eval()
+
+
+def _one_at_a_time(module: nn.Module, device: torch.device, dtype: torch.dtype):
+    """Each distinct parameter of `module` (name, parameter), replaced in its module(s) by a frozen
+    one on `device`: a meta one by an uninitialised tensor of its shape, created only when yielded
+    (so one parameter is whole at a time); tied parameters stay one."""
+    done: dict[int, nn.Parameter] = {}
+    named = {id(param): name for name, param in module.named_parameters()}
+    for owner in module.modules():
+        for key, param in list(owner._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in done:
+                data = (torch.empty(param.shape, dtype=dtype, device=device) if param.is_meta
+                        else param.detach().to(device=device, dtype=dtype))
+                done[id(param)] = nn.Parameter(data, requires_grad=False)
+                owner._parameters[key] = done[id(param)]
+                yield named[id(param)], done[id(param)]
+            owner._parameters[key] = done[id(param)]

@@ -20,7 +20,6 @@ gradient; with `save_frozen` False checkpoints leave them out (DCP's `ignore_fro
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from typing import ContextManager
 
@@ -145,12 +144,9 @@ class FSDPStrategy(Strategy):
 
     @classmethod
     def frozen_copy(cls, model: nn.Module) -> nn.Module:
-        """The copy's structure, its parameters on the meta device (no memory; buffers copied):
+        """The copy's structure, its parameters on the meta device (`Strategy.meta_skeleton`):
         `hold_frozen` fills this rank's shards from the model's, so no rank ever holds a whole copy."""
-        memo = {id(param): nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
-                for param in model.parameters()}  # deepcopy takes these for the parameters (ties kept)
-        reference = copy.deepcopy(model, memo)
-        return reference.requires_grad_(False)  # eval() once materialized: transformers' eval() refuses meta
+        return cls.meta_skeleton(model)
 
     def hold_frozen(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
         """Sharded as the model is (the same units, mesh and mixed precision), each unit gathered for

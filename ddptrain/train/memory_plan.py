@@ -18,7 +18,8 @@ the model is built from its config on the meta device (no weight file is opened)
   plus the logits (B·T·V, twice: the logits and their log-softmax).
 - objective=dpo: a microbatch of k pairs is 2k rows (chosen and rejected; packed, k rows of
   2 x seq_len), measured as such; a full fine-tune keeps a frozen copy of the weights as the
-  reference, unsharded on every rank under every strategy (the `reference` column). None under
+  reference (the `reference` column): whole on every rank, divided by the ranks under fsdp and zero3,
+  which partition it like the policy (Footprint.frozen_copy_shards). None under
   LoRA (the reference is the base with the adapter disabled) or with precomputed reference
   log-probs (the copy is dropped once they are computed).
 - Weights, gradients, optimizer state, other buffers and the collectives of one optimizer step:
@@ -64,7 +65,7 @@ class StrategyPlan(Footprint):
 
     activations: Figure = field(default_factory=lambda: Figure(0.0, "computed"))
     reference: float = 0.0
-    """objective=dpo with full fine-tuning: the frozen reference copy of the weights, on every rank."""
+    """objective=dpo with full fine-tuning: this rank's part of the frozen reference copy of the weights."""
 
     @property
     def total(self) -> float:
@@ -337,8 +338,8 @@ def plan_reference(counts: ModelCounts, layout: Layout, adapted: bool, precomput
     rows = (f"{layout.micro_batch_size} rows of seq_len hold micro_tokens={micro_tokens} positions of pairs"
             if micro_tokens is not None else
             f"{micro_pairs} pair(s) per microbatch are {layout.micro_batch_size} rows (chosen and rejected)")
-    reference = ("the reference is the frozen copy of the weights, sharded as fsdp shards the policy, whole on every rank "
-                 "otherwise (the reference column)"
+    reference = ("the reference is the frozen copy of the weights, sharded as fsdp and zero3 shard the policy, whole on "
+                 "every rank otherwise (the reference column)"
                  if held else "the reference's log-probs are precomputed (no copy of the weights is kept)"
                  if precomputed else "the reference is the base with the LoRA adapter disabled (no copy)")
     counts.objective_note = f"objective=dpo: {rows}; {reference}"

@@ -9,7 +9,9 @@ PairTargets; this fills them in, without gradients, for every microbatch of the 
   policy and held as the strategy holds weights (`Strategy.frozen_copy`, `Strategy.hold_frozen`):
   whole on every rank under ddp, zero1 and zero2 (one more replica of the weights), sharded like
   the policy under fsdp (each rank holds its shards, gathered unit by unit in the reference's
-  forward); under zero3 still whole (see docs/preference.md).
+  forward) and under zero3 (each rank holds its partitions, gathered module by module by the hooks
+  of a DeepSpeed engine without optimizer); in both, a copy of the initial weights is a meta
+  skeleton filled from the policy's own shards, so no rank holds it whole.
 
 With objective.precompute_reference=true they are computed once before step 1 instead, for every
 pair of both splits (spread over the ranks, summed), and kept in the data cache under a key of the
@@ -40,7 +42,6 @@ import numpy as np
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
 from ddptrain.contract.pairs import PairTargets
@@ -51,6 +52,7 @@ from ddptrain.engine.engine import AUTOCAST, Engine, filler_inputs
 from ddptrain.engine.preference import PairHeadLoss, sequence_logps
 from ddptrain.models.lora import is_adapted
 from ddptrain.strategies import strategy_class
+from ddptrain.strategies.base import Strategy
 
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class Reference:
         if self.disables_adapter:
             return None
         if self._weights is None:
-            self._weights = weights_fingerprint(self.model)
+            self._weights = weights_fingerprint(self.model, self.engine.strategy)
         return self._weights
 
     def drop_frozen_copy(self) -> None:
@@ -139,13 +141,14 @@ def _on(device: torch.device, inputs):
     return inputs.to(device)
 
 
-def weights_fingerprint(model: nn.Module) -> str:
-    """sha256 of the reference's weights: every parameter but a LoRA adapter's (disabled in the reference)."""
+def weights_fingerprint(model: nn.Module, strategy: Strategy) -> str:
+    """sha256 of the reference's weights, held as `strategy` holds them: every parameter but a LoRA
+    adapter's (disabled in the reference). Collective where they are sharded (fsdp, zero3)."""
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters()):
         if "lora_" not in name:
-            param = param.full_tensor() if isinstance(param, DTensor) else param  # sharded (fsdp): collective
-            digest.update(name.encode() + param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            whole = strategy.whole_tensor(param)
+            digest.update(name.encode() + whole.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -153,7 +156,7 @@ def precompute(reference: Reference, splits: dict[str, PreferencePairs], data_in
                dist_info: DistInfo, cache_dir: str | None) -> str:
     """Set each split's `reference` log-probs, from the cache or computed once (pairs spread over the ranks,
     the rest of the vector zeros, summed); returns the cache key. Collective."""
-    weights = reference.weights or weights_fingerprint(reference.model)
+    weights = reference.weights or weights_fingerprint(reference.model, reference.engine.strategy)
     key = hashlib.sha256(json.dumps({"data": data_inputs, "weights": weights,
                                      "precision": reference.engine.precision,
                                      "splits": {name: len(pairs) for name, pairs in splits.items()}},

@@ -1,7 +1,8 @@
 """train_on_rollouts on real gloo ranks: the SAME rollouts (saved, replayed) give the exact GRPO update
 (tests/engine/grpo_reference.py) for every loss aggregation on 2 ranks x 2 prompts per microbatch,
 2 ranks under a token budget, 2 ranks with packed rows, and fsdp, in fp64 to 1e-9; zero2 (DeepSpeed
-refuses fp64) in fp32 equals ddp in fp32 to 1e-6; a LoRA policy's reference is its base. Each layout runs on-policy, and with 2 updates, the
+refuses fp64) in fp32 equals ddp in fp32 to 1e-6, and so does zero3 with its KL reference partitioned; a LoRA
+policy's reference is its base. Each layout runs on-policy, and with 2 updates, the
 KL term, clipping and masked truncation."""
 
 from __future__ import annotations
@@ -143,6 +144,48 @@ def test_zero2_in_fp32_gives_ddps_update_in_fp32(tmp_path):
         difference = relative_update_difference(zero_weights, ddp_weights, initial)
         print(f"\nzero2 vs ddp, fp32, {key[1]}: relative update difference {difference:.1e}")
         assert difference <= 1e-6, key
+
+
+def _kl_updates(path: str, prompts: int, vocab_size: int, strategy: str, options: dict | None) -> dict:
+    """token_mean with the KL term, 2 updates, under the token budget (fillers), fp32, the reference the
+    initial weights as GRPO's builder takes them (`frozen_copy(model, strategy)`): the per-update (loss, kl),
+    the weights after, and the elements of the reference this rank holds, of how many."""
+    from ddptrain.train.reference import frozen_copy
+    from tests.train.test_reference import held_elements
+
+    rank, world = ddptrain.get_rank(), ddptrain.get_world_size()
+    share = [r for r in load_rollouts(path) if r.prompt_index % world == rank]
+    settings = GRPOSettings("token_mean", max_new_tokens=9, updates_per_rollout=2, beta=0.5)
+    model = tiny_llama(vocab_size, dtype=torch.float32)
+    frozen = frozen_copy(model, strategy)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=LR["token_mean"]), strategy, precision="fp32",
+                    strategy_options=options)
+    reference = Reference(engine, model, frozen)
+    stats = train_on_rollouts(engine, share, settings, RolloutLayout(prompts, **BUDGET["2 x token budget"]), reference)
+    params = list(reference.model.parameters())
+    return {"updates": [(s.loss, s.metrics["kl"]) for s in stats], "weights": engine.model_state_dict(),
+            "held": held_elements(engine.strategy, params),
+            "whole": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
+
+
+@pytest.mark.slow
+def test_zero3_partitions_the_kl_reference_and_gives_ddps_update_in_fp32(tmp_path):
+    """rl.beta > 0, full fine-tuning: under zero3 each of 2 ranks holds half of the reference (filled from the
+    policy's partitions), and the loss, KL and update equal ddp's (a whole copy) in fp32, to 1e-6."""
+    material = grpo_material(tmp_path)
+    import_deepspeed()
+    zero3 = {**ZERO, "deepspeed": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+    runs = {name: run_distributed(_kl_updates, 2, str(material.path), material.prompts, material.vocab_size,
+                                  strategy, options, timeout_s=600)
+            for name, strategy, options in (("ddp", "ddp", None), ("zero3", "zero3", zero3))}
+    initial = {k: v.float() for k, v in material.initial.items()}
+    for ddp, ours in zip(runs["ddp"], runs["zero3"], strict=True):
+        assert ddp["held"] == ddp["whole"] and ours["whole"] == ddp["whole"]
+        assert 0.45 <= ours["held"] / ours["whole"] <= 0.55, "each of 2 ranks holds its half"
+        assert ddp["updates"][-1][1] > 0, "the policy moved away from the reference"
+        for got, want in zip(ours["updates"], ddp["updates"], strict=True):
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-6)
+        assert relative_update_difference(ours["weights"], ddp["weights"], initial) <= 1e-6
 
 
 def _lora(model):

@@ -242,8 +242,8 @@ def _plan(overrides: list[str]):
 def test_a_dpo_plan_counts_two_rows_per_pair_and_the_frozen_reference_of_a_full_fine_tune(tmp_path, packed):
     """A microbatch of k pairs is planned as the 2k rows a token objective's microbatch of 2k rows
     is; a full fine-tune adds the frozen reference's weights to every strategy's total, whole, or
-    divided by the ranks that shard it where the strategy shards it as the policy (fsdp: 1 rank here,
-    so whole); with precomputed log-probs, or LoRA's adapter disabled, nothing is added."""
+    divided by the ranks that shard it where the strategy shards it as the policy (fsdp and zero3: halved
+    on the 2 ranks here); with precomputed log-probs, or LoRA's adapter disabled, nothing is added."""
     model = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.vocab_size=256", "batch.seq_len=32",
              *(["batch.pack=true"] if packed else [])]
     dpo = ["objective=dpo", "data=preference", "data.paths=[p.jsonl]", "batch.global_size=8"]
@@ -259,7 +259,9 @@ def test_a_dpo_plan_counts_two_rows_per_pair_and_the_frozen_reference_of_a_full_
         assert plan.reference == counts.reference_bytes / plan.frozen_copy_shards
         assert plan.total == pytest.approx(token_2k[label].total + plan.reference), label
     assert " reference " in table.splitlines()[2] and "2 pair(s) per microbatch are 4 rows" in table, table
-    assert "frozen copy of the weights, sharded as fsdp shards the policy" in table
+    assert plans["fsdp"].reference == plans["zero3"].reference == counts.reference_bytes / 2
+    assert plans["zero2"].reference == counts.reference_bytes
+    assert "frozen copy of the weights, sharded as fsdp and zero3 shard the policy" in table
 
     precomputed, counts, _, table = _plan([*model, *dpo, f"batch.micro_size={k}", "objective.precompute_reference=true"])
     assert counts.reference_bytes == 0 and all(plan.reference == 0 for plan in precomputed.values())
