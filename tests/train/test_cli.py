@@ -124,6 +124,6 @@ def test_bad_config_is_refused_by_the_checks_the_command_runs_first(overrides, m
     from ddptrain.config.compose import compose_config
     from ddptrain.train.builder import validate_run
 
-    with pytest.raises(Exception) as error:  # noqa: PT011 (Hydra's composition error or a ConfigError)
+    with pytest.raises(Exception) as error:  # Hydra's composition error, or a ConfigError
         validate_run(compose_config([*TINY_RUN, *overrides]), 1)
     assert message in str(error.value), str(error.value)
