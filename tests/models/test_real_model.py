@@ -91,14 +91,15 @@ def test_a_full_fine_tune_lowers_the_held_out_loss_through_the_chunked_head(mode
 
 
 def test_layouts_and_the_full_logits_give_the_same_curve_on_the_real_model(model_dir, tmp_path):
-    """fp32 on the real model (vocabulary 49,152): 1 rank x 4 rows, 2 ranks x 1 row and the full
-    logits (trainer.chunked_head=false), each 3 steps of LoRA with the head adapted (token budgets:
-    the tiny models' layout tests)."""
+    """fp32 on the real model (vocabulary 49,152): 1 rank x 4 rows through the chunked head against
+    2 ranks x 1 row through the full logits (trainer.chunked_head=false), each 3 steps of LoRA with the
+    head adapted. One launch checks both: the layout or the head alone changing the curve fails it
+    (the tiny models' tests take each apart, token budgets too)."""
     common = ["model=hf", f"model.path={model_dir}", "model.lora.r=4",
               "model.lora.target_modules=[q_proj,v_proj,lm_head]", *python_sources(tmp_path / "cache"),
               "trainer.max_steps=3", "optim.lr=1e-3", "trainer.eval_examples=4"]
-    layouts = {"1x4": (1, ["batch.micro_size=4"]), "2x1": (2, ["batch.micro_size=1"]),
-               "full logits": (1, ["batch.micro_size=4", "trainer.chunked_head=false"])}
+    layouts = {"1x4": (1, ["batch.micro_size=4"]),
+               "2x1 full logits": (2, ["batch.micro_size=1", "trainer.chunked_head=false"])}
     curves = {}
     for name, (ranks, layout) in layouts.items():
         run_dir = tmp_path / name.replace(" ", "_")
@@ -170,10 +171,11 @@ def test_the_plan_predicts_the_measured_peak_of_a_full_fine_tune_within_a_quarte
     assert abs(planned - measured) <= 0.25 * measured, (planned / 2**30, measured / 2**30)
 
 
-def test_the_plan_of_a_lora_run_on_the_real_model_counts_the_adapter_alone_as_training(model_dir):
-    result = subprocess.run([sys.executable, "-m", "ddptrain.plan", "model=hf", f"model.path={model_dir}",
-                             "model.lora.r=16"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    match = re.search(r"memory plan: ([\d,]+) parameters \(([\d,]+) train\)", result.stdout)
+def test_the_plan_of_a_lora_run_on_the_real_model_counts_the_adapter_alone_as_training(model_dir, capsys):
+    from ddptrain.plan import main
+
+    # The command's main() in this process (the test above runs the command itself).
+    assert main(["model=hf", f"model.path={model_dir}", "model.lora.r=16"]) == 0, capsys.readouterr().err[-3000:]
+    match = re.search(r"memory plan: ([\d,]+) parameters \(([\d,]+) train\)", capsys.readouterr().out)
     total, training = (int(group.replace(",", "")) for group in match.groups())
     assert 0 < training < total / 20, (training, total)  # r=16 on every linear layer: 3.5% of the weights

@@ -85,19 +85,14 @@ def test_run_dir_is_shared_and_written_by_rank_zero_only(tmp_path):
 
 
 BAD_CONFIGS = [
-    (["strategy=zero7"], 1, ["strategy/zero7"]),
-    (["batch.micro_size=0"], 1, ["batch.micro_size=0 must be > 0"]),
-    (["trainer.max_steps=-3"], 1, ["trainer.max_steps=-3 must be > 0"]),
-    (["trainer.precision=fp8"], 1, ["trainer.precision='fp8' is not one of fp32, fp64, bf16, fp16"]),
+    (["strategy=zero7"], 1, ["strategy/zero7"]),  # Hydra's refusal: its own exit
     (["optim.weight_decay=-0.1"], 1, ["config error: optim.weight_decay=-0.1 must be a finite number >= 0"]),
-    (["trainer.max_stepz=3"], 1, ["max_stepz"]),
-    (["batch.micro_tokens=100", "batch.seq_len=128"], 1, ["batch.micro_tokens=100 must be >= batch.seq_len=128"]),
-    (["trainer.precision=fp64", "strategy=zero2"], 1, ["trainer.precision=fp64 is not supported with strategy=zero2"]),
     (["strategy=zero2", "++strategy.deepspeed.gradient_clipping=0.5"], 2,
      ["config error: strategy.deepspeed.gradient_clipping=0.5 contradicts trainer.grad_clip"]),
     (["batch.global_size=6", "batch.micro_size=4"], 2,
      ["batch.global_size=6 must be divisible by batch.micro_size=4 x world size 2"]),
 ]
+"""A launch per kind of exit: Hydra's, and validate_run's ConfigError on one rank and on two."""
 
 
 @pytest.mark.parametrize("overrides, ranks, messages", BAD_CONFIGS, ids=[" ".join(c[0]) for c in BAD_CONFIGS])
@@ -109,3 +104,26 @@ def test_bad_config_fails_before_training_on_every_rank(tmp_path, overrides, ran
     for message in messages:
         assert output.count(message) >= ranks, f"{message!r} not reported by all {ranks} ranks:\n{output[-3000:]}"
     assert not run_dir.exists(), "a config error must fail before the run dir is made"
+
+
+IN_PROCESS_BAD_CONFIGS = [
+    (["batch.micro_size=0"], "batch.micro_size=0 must be > 0"),
+    (["trainer.max_steps=-3"], "trainer.max_steps=-3 must be > 0"),
+    (["trainer.precision=fp8"], "trainer.precision='fp8' is not one of fp32, fp64, bf16, fp16"),
+    (["trainer.max_stepz=3"], "max_stepz"),
+    (["batch.micro_tokens=100", "batch.seq_len=128"], "batch.micro_tokens=100 must be >= batch.seq_len=128"),
+    (["trainer.precision=fp64", "strategy=zero2"], "trainer.precision=fp64 is not supported with strategy=zero2"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", IN_PROCESS_BAD_CONFIGS,
+                         ids=[" ".join(c[0]) for c in IN_PROCESS_BAD_CONFIGS])
+def test_bad_config_is_refused_by_the_checks_the_command_runs_first(overrides, message):
+    """The command's first two steps, composing and validate_run, in this process: what reaches a user
+    through them is what BAD_CONFIGS' launches show (Hydra's exit, or "config error: ..." and exit 2)."""
+    from ddptrain.config.compose import compose_config
+    from ddptrain.train.builder import validate_run
+
+    with pytest.raises(Exception) as error:  # Hydra's composition error, or a ConfigError
+        validate_run(compose_config([*TINY_RUN, *overrides]), 1)
+    assert message in str(error.value), str(error.value)

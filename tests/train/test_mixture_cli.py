@@ -79,10 +79,10 @@ def test_a_three_source_mixture_is_the_same_on_every_layout_and_exact_in_every_s
     mix = sources(corpus)
     layouts = {"1x8": (1, ["batch.micro_size=8"]), "2x2": (2, ["batch.micro_size=2"]),
                "2 budgets": (2, ["batch.micro_size=2", "batch.micro_tokens=48", "batch.pack=false"])}
-    curves = {}
+    curves, logs = {}, {}
     for name, (nproc, args) in layouts.items():
         run_dir = tmp_path / name.replace(" ", "-") / "run"
-        _train(run_dir, [mix, "trainer.max_steps=6", *args], nproc)
+        logs[name] = _train(run_dir, [mix, "trainer.max_steps=6", *args], nproc)
         curves[name] = _curve(run_dir)
     for name in ("2x2", "2 budgets"):
         _same_curve(curves[name], curves["1x8"])
@@ -102,7 +102,7 @@ def test_a_three_source_mixture_is_the_same_on_every_layout_and_exact_in_every_s
             assert abs(seen[s] - weight * total) <= bound, (line["step"], s, seen[s], weight * total)
             assert line[f"mix/{s}/share"] == pytest.approx(seen[s] / total)
     assert all(line[f"val_loss/{s}"] is not None for s in seen for line in lines if "val_loss" in line)
-    assert "mix web " in _train(tmp_path / "again" / "run", [mix, "trainer.max_steps=1", "batch.micro_size=8"])
+    assert "mix web " in logs["1x8"]
 
 
 def test_packed_mixtures_are_the_same_on_every_layout(corpus, tmp_path):

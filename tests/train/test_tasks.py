@@ -135,12 +135,22 @@ def test_a_task_line_that_breaks_the_format_is_named_with_its_rule(tmp_path, lin
 
 
 @pytest.fixture(scope="module")
-def run_with_best(tmp_path_factory) -> Path:
-    """The built-in GPT trained 2 steps with best/ (checkpoint.keep_best) beside final/."""
-    run_dir = tmp_path_factory.mktemp("best") / "run"
-    _ok(run_cli([*RESUME_RUN, "trainer.max_steps=2", "trainer.eval_every=1", "checkpoint.keep_best=val_loss",
-                 f"run.dir={run_dir}"]))
-    return run_dir
+def gpt_run(tmp_path_factory) -> tuple[Path, Path]:
+    """The built-in GPT trained 2 steps, a task scored and a checkpoint saved at each, with best/
+    (checkpoint.keep_best) beside final/: (run dir, task file). One launch for the tests that read
+    its scores and those that damage a copy of it."""
+    root = tmp_path_factory.mktemp("gpt_tasks")
+    task = write_task(root / "mc.jsonl", items=16, seed=1)
+    run_dir = root / "run"
+    _ok(run_cli([*RESUME_RUN, "trainer.max_steps=2", "trainer.eval_every=1", f"trainer.eval_tasks=[{task}]",
+                 "checkpoint.every=1", "checkpoint.keep_best=val_loss", f"run.dir={run_dir}"]))
+    return run_dir, task
+
+
+@pytest.fixture(scope="module")
+def run_with_best(gpt_run) -> Path:
+    """The built-in GPT run with best/ beside final/ (the tests change a copy of it)."""
+    return gpt_run[0]
 
 
 def _one_line_error(result, prefix: str, *words: str) -> str:
@@ -162,8 +172,13 @@ def _flip_a_byte(path: Path) -> None:
 @pytest.mark.parametrize("case", ["final tampered", "best truncated", "task is a directory", "task not utf-8",
                                   "chat template of the byte tokenizer"])
 @pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
-def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line(run_with_best, tmp_path, case):
+def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line(run_with_best, tmp_path, case,
+                                                                                  capsys):
+    """The first case runs the command (its exit status and stderr); the others call its main() in this
+    process: the same one line and exit 2, without a process launch each."""
     import shutil
+
+    from ddptrain.evaluate import main
 
     run_dir = tmp_path / "run"
     shutil.copytree(run_with_best, run_dir)
@@ -186,8 +201,14 @@ def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line
     else:  # latin-1 on the second line
         task.write_bytes(task.read_bytes() + '{"context": "café", "choices": ["a", "b"], "label": 0}\n'.encode("latin-1"))
         words = [f"{task}:2: ", "is not UTF-8"]
-    result = subprocess.run([sys.executable, "-m", "ddptrain.evaluate", *args], cwd=REPO, capture_output=True,
-                            text=True, timeout=300)
+    if case == "final tampered":
+        result = subprocess.run([sys.executable, "-m", "ddptrain.evaluate", *args], cwd=REPO, capture_output=True,
+                                text=True, timeout=300)
+    else:
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        captured = capsys.readouterr()
+        result = subprocess.CompletedProcess(args, exited.value.code, captured.out, captured.err)
     _one_line_error(result, "evaluate error: ", *words)
 
 
@@ -297,12 +318,10 @@ def test_the_evaluate_command_wraps_contexts_in_the_chat_template(hf_run, tmp_pa
 
 
 @pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
-def test_task_accuracy_of_the_builtin_gpt_equals_its_own_forward_on_the_step_weights(tmp_path):
-    task = write_task(tmp_path / "mc.jsonl", items=16, seed=1)
-    run_dir = tmp_path / "run"
-    _ok(run_cli([*RESUME_RUN, "trainer.max_steps=2", "trainer.eval_every=1", f"trainer.eval_tasks=[{task}]",
-                 "checkpoint.every=1", f"run.dir={run_dir}"]))
+def test_task_accuracy_of_the_builtin_gpt_equals_its_own_forward_on_the_step_weights(gpt_run):
+    run_dir, task = gpt_run
     evals = _evals(run_dir)
+    assert sorted(evals) == [1, 2]
     for step in (1, 2):
         path = run_dir / "checkpoints" / ckpt.step_name(step)
         model = load_trained(TrainedWeights(path, ckpt.load_trainer_state(path))).double()
