@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddptrain.config.layout import BatchLayout, default_packing
+from ddptrain.config.layout import BatchLayout, resolve_layout
 from ddptrain.config.schema import ConfigError, TrainConfig
 from ddptrain.config.validation import strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
@@ -73,16 +73,6 @@ def resolve_tokenizer(cfg: TrainConfig) -> None:
     """data.tokenizer=null becomes the model kind's own tokenizer (model=hf's tokenizer.json), else bytes."""
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = adapter_for(cfg.model).default_tokenizer(cfg.model) or "byte"
-
-
-def resolve_layout(cfg: TrainConfig) -> str | None:
-    """batch.pack=null becomes this run's default (ddptrain.config.layout.default_packing); returns
-    why, for the start-up line, where it decided (None where batch.pack was set). Before the config
-    diff on resume: checkpoints hold the resolved config."""
-    if cfg.batch.pack is not None:
-        return None
-    cfg.batch.pack, reason = default_packing(cfg)
-    return reason
 
 
 def decay_steps(cfg: TrainConfig) -> int:
