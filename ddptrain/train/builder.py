@@ -241,7 +241,7 @@ def describe_layout(cfg: TrainConfig, world_size: int) -> str:
     if not layout.rows_vary:
         return f"{whole} = micro {batch.micro_size} x accumulation {layout.grad_accum_steps} x world {world_size}"
     budget = (f"microbatches of <= {batch.micro_tokens} padded tokens" if batch.micro_tokens
-              else f"{batch.micro_size} rows per microbatch")
+              else f"{batch.micro_size} row{'s' if batch.micro_size != 1 else ''} per microbatch")
     packed = f"packed into rows of {batch.seq_len} tokens, " if batch.pack else "in "
     if batch.pack and cfg.data.name == "sft":
         whole = f"global batch {batch.global_size} conversations"
