@@ -300,12 +300,12 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
     """Everything a run needs, from a validated config. `device`, `precision` and `nonfinite`
     default to the run's; `prepare(model)` runs after the model is built and before the engine
     wraps it (verify turns dropout off and copies the initial weights there)."""
-    if cfg.objective.name == "grpo":
-        return build_grpo(cfg, dist_info, device=device, precision=precision, nonfinite=nonfinite, prepare=prepare)
-    resolve_tokenizer(cfg)
     layout = resolve_layout(cfg)
     if layout is not None:
         log.info("layout: %s", layout)
+    if cfg.objective.name == "grpo":
+        return build_grpo(cfg, dist_info, device=device, precision=precision, nonfinite=nonfinite, prepare=prepare)
+    resolve_tokenizer(cfg)
     torch.manual_seed(cfg.run.seed)
     data = load_data(cfg, dist_info)
     batches = train_batches(cfg, data, dist_info)
