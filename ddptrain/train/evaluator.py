@@ -72,7 +72,8 @@ class Evaluator:
         """trainer.eval_examples of `val`, every trainer.eval_every steps and the last, in the run's microbatches."""
         sources = getattr(val, "mixture_sources", None)  # data=mixture: (name, first id, examples) of each source
         return cls(val, cfg.trainer.eval_examples, cfg.batch.micro_size, cfg.trainer.eval_every, cfg.trainer.max_steps,
-                   dist_info, micro_tokens=eval_micro_tokens(cfg.batch, pairs=reference is not None), engine=engine, reference=reference,
+                   dist_info, micro_tokens=eval_micro_tokens(cfg.batch, pairs=reference is not None), engine=engine,
+                   reference=reference,
                    sources=sources if sources and len(sources) > 1 else None)
 
     def _rank_microbatches(self, ids: np.ndarray) -> list[list[np.ndarray]]:

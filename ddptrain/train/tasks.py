@@ -13,8 +13,9 @@ turn with the generation prompt, and the delimiter is dropped (the harness does 
 
 Items are strided over the ranks (an item's choices stay on one rank), cut into microbatches like
 the training's (batch.micro_size rows, or batch.micro_tokens padded positions, or under packing the
-positions of a training microbatch), and the per-task counts all-reduced: any world size gives the same numbers. Every rank runs the same number of
-forwards (fillers), as sharded strategies gather weights collectively.
+positions of a training microbatch), and the per-task counts all-reduced: any world size gives the
+same numbers. Every rank runs the same number of forwards (fillers), as sharded strategies gather
+weights collectively.
 """
 
 from __future__ import annotations

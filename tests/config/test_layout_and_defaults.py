@@ -100,7 +100,8 @@ def test_batch_micro_size_null_is_one_packed_row_where_rows_are_packed_whole_els
 def test_a_micro_size_below_one_is_refused_naming_the_value_and_rule(value):
     from ddptrain.config.validation import validate
 
-    for overrides in (["data=sft", "data.paths=[chats.jsonl]"], []):  # packed by default, or not: the value is kept and refused
+    # packed by default, or not: the value is kept and refused
+    for overrides in (["data=sft", "data.paths=[chats.jsonl]"], []):
         with pytest.raises(ConfigError, match=rf"batch.micro_size={value} must be > 0"):
             validate(compose_config([*overrides, f"batch.micro_size={value}"]), 1)
 
@@ -110,7 +111,8 @@ def test_the_default_layout_divides_where_the_old_default_did_not():
     varies, and an unpacked run under a null micro_size is told the resolved value it cannot divide by."""
     from ddptrain.config.validation import validate
 
-    assert validate(compose_config(["data=sft", "data.paths=[chats.jsonl]", "batch.global_size=4"]), 1) == 0  # packed: rows vary
+    chats = ["data=sft", "data.paths=[chats.jsonl]", "batch.global_size=4"]
+    assert validate(compose_config(chats), 1) == 0  # packed, one row per microbatch: rows vary
     with pytest.raises(ConfigError, match=r"batch.global_size=4 must be divisible by batch.micro_size=8 x world "
                                           r"size 1 = 8"):
         validate(compose_config(["batch.global_size=4"]), 1)
