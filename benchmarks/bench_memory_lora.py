@@ -1,6 +1,6 @@
 """Where rank 0's memory goes under LoRA on the real model: one rank's step, per layout, side by side.
 
-    python -m benchmarks.bench_memory_lora                       # default layout beside one packed row per microbatch
+    python -m benchmarks.bench_memory_lora                       # the former default (8 packed rows) beside today's (1)
     python -m benchmarks.bench_memory_lora --layouts "batch.micro_size=8;batch.micro_size=1;batch.pack=false batch.micro_size=4"
 
 Each layout runs in a fresh process (one thread, no process group): SmolLM2-135M-Instruct with LoRA
@@ -79,8 +79,8 @@ def worker(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="batch.micro_size=8;batch.micro_size=1",
-                        help="';'-separated layouts, each space-separated overrides (default: data=sft's packed "
-                             "default, 8 rows per microbatch, beside one row per microbatch)")
+                        help="';'-separated layouts, each space-separated overrides (default: data=sft's former "
+                             "default, 8 packed rows per microbatch, beside today's, one row per microbatch)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--global-batch", type=int, default=16, help="pairs per step (one rank's share)")

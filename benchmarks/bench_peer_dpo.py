@@ -19,7 +19,7 @@ reference is the base with the adapter disabled on both sides) and `full` (every
 reference a frozen copy on both sides):
 
 - ddptrain-default: `-m ddptrain model=hf data=preference objective=dpo` with nothing set but the
-  global batch (batch.micro_size's default, unpacked rows).
+  global batch (the default layout: the step's pairs packed whole, one row per microbatch).
 - ddptrain-micro: batch.micro_size=micro (TRL's layout).
 - ddptrain-pack: batch.pack=true batch.micro_size=micro (the step's pairs packed whole, chosen and
   rejected as two documents of a row of <= 2 x seq_len positions; micro rows per microbatch: at most

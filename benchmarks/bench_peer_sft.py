@@ -40,7 +40,7 @@ median of per-round ratios to TRL. A figure, not a test.
 ChatML without generation markers, which TRL refuses for assistant-only loss) on WordNet
 prompt-completion pairs (tests/real_text.py: "What does 'X' mean?" -> the gloss), completion-only
 loss on both sides, for `--finetune lora,full` (LoRA r=16 on every linear layer; every weight):
-ddptrain-default (nothing set but the global batch), ddptrain-best (`--best`), trl (its default
+ddptrain-default (nothing set but the global batch: packed, one row per microbatch), ddptrain-best (`--best`), trl (its default
 padding) and trl-pack (packing=True: padding-free rows of seq_len; whether its attention keeps the
 documents apart is probed and printed). Beside each rate stands rank 0's peak resident set size.
 """

@@ -80,15 +80,17 @@ class TrainerConfig:
 class BatchConfig:
     global_size: int = 16
     """Sequences per optimizer step, over all ranks and microbatches."""
-    micro_size: int = 8
-    """Sequences per microbatch per rank."""
+    micro_size: Optional[int] = None
+    """Sequences (pairs; packed: rows) per microbatch per rank; null: resolved per layout at start-up, one row
+    per microbatch where conversations or pairs are packed (each row keeps its own width), else 8."""
     seq_len: int = 256
     """Tokens per sequence (inputs); documents are cut to this and their ends padded."""
     micro_tokens: Optional[int] = None
     """Instead of micro_size: at most this many padded tokens per microbatch (>= seq_len)."""
     pack: Optional[bool] = None
     """Pack several documents into each row of seq_len tokens (attention stays per document); null: packed
-    conversations for data=sft (the same sample, fewest positions) unless micro_tokens is set, else false."""
+    conversations (data=sft) and pairs (data=preference), the same sample with the fewest positions, unless
+    micro_tokens is set, else false."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddptrain.config import choices
 from ddptrain.config.evaluation import validate_evaluation
-from ddptrain.config.layout import BatchLayout, rows_vary
+from ddptrain.config.layout import BatchLayout, resolved, rows_vary
 from ddptrain.config.schema import (MODEL_SCHEMAS, ConfigError, DataConfig, MixSourceConfig, ObjectiveConfig,
                                     OptimConfig, RewardConfig, RLConfig, TrainConfig, WandbConfig)
 from ddptrain.distributed import replicate_degree
@@ -103,6 +103,7 @@ def validate(cfg: TrainConfig, world_size: int) -> int:
 
 
 def _validate_values(cfg: Any, world_size: int) -> int:
+    cfg = resolved(cfg)  # batch.pack and batch.micro_size as the run decides them (config/layout.py)
     for key, allowed in _CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:

@@ -38,10 +38,10 @@ files relative to their common directory, the tokenizer's and chat template's ha
 config.json, a LoRA base's weights), compared after the build: other content is refused there by
 name. A checkpoint without a fingerprint (an older ddptrain) refuses them here, as any other key."""
 
-SAME_SAMPLE_WHEN = {"batch.pack": ("data.name", "sft")}
-"""Keys that may change where another key has this value: packed conversations are the step's own
-conversations packed whole (ddptrain/data/packing.py), so packing them or not keeps the sample; a packed
-text stream draws other examples."""
+SAME_SAMPLE_WHEN = {"batch.pack": ("data.name", ("sft", "preference"))}
+"""Keys that may change where another key has one of these values: packed conversations and pairs are
+the step's own conversations (pairs) packed whole (ddptrain/data/packing.py, data/preference.py), so
+packing them or not keeps the sample; a packed text stream draws other examples."""
 
 DEFAULTS_BEFORE = {"batch.pack": False}
 """What a checkpoint written without the key (by an older ddptrain) trained with, where the default
@@ -82,8 +82,8 @@ def check_config(saved: dict, current: dict, defaults: dict, fingerprinted: bool
     `fingerprinted`: the checkpoint holds its inputs' fingerprint, so RELOCATABLE keys may change too."""
     changes = config_changes(saved, current, defaults)
     allowed = MAY_CHANGE + (RELOCATABLE if fingerprinted else ())
-    allowed += tuple(key for key, (decider, value) in SAME_SAMPLE_WHEN.items()
-                     if flatten(saved).get(decider) == value == flatten(current).get(decider))
+    allowed += tuple(key for key, (decider, values) in SAME_SAMPLE_WHEN.items()
+                     if flatten(saved).get(decider) == flatten(current).get(decider) in values)
     refused = [change for change in changes if not _may_change(change[0], allowed) and not is_mixture_weight(change[0])]
     if refused:
         lines = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in refused)

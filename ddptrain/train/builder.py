@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddptrain.config.layout import BatchLayout, default_packing
+from ddptrain.config.layout import BatchLayout, resolve_layout
 from ddptrain.config.schema import ConfigError, TrainConfig
 from ddptrain.config.validation import strategy_options, validate
 from ddptrain.data import DataSplits, TrainBatches, load_splits
@@ -73,16 +73,6 @@ def resolve_tokenizer(cfg: TrainConfig) -> None:
     """data.tokenizer=null becomes the model kind's own tokenizer (model=hf's tokenizer.json), else bytes."""
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = adapter_for(cfg.model).default_tokenizer(cfg.model) or "byte"
-
-
-def resolve_layout(cfg: TrainConfig) -> str | None:
-    """batch.pack=null becomes this run's default (ddptrain.config.layout.default_packing); returns
-    why, for the start-up line, where it decided (None where batch.pack was set). Before the config
-    diff on resume: checkpoints hold the resolved config."""
-    if cfg.batch.pack is not None:
-        return None
-    cfg.batch.pack, reason = default_packing(cfg)
-    return reason
 
 
 def decay_steps(cfg: TrainConfig) -> int:
@@ -251,7 +241,7 @@ def describe_layout(cfg: TrainConfig, world_size: int) -> str:
     if not layout.rows_vary:
         return f"{whole} = micro {batch.micro_size} x accumulation {layout.grad_accum_steps} x world {world_size}"
     budget = (f"microbatches of <= {batch.micro_tokens} padded tokens" if batch.micro_tokens
-              else f"{batch.micro_size} rows per microbatch")
+              else f"{batch.micro_size} row{'s' if batch.micro_size != 1 else ''} per microbatch")
     packed = f"packed into rows of {batch.seq_len} tokens, " if batch.pack else "in "
     if batch.pack and cfg.data.name == "sft":
         whole = f"global batch {batch.global_size} conversations"
@@ -310,12 +300,12 @@ def build(cfg: TrainConfig, dist_info: DistInfo, *, device: torch.device | None 
     """Everything a run needs, from a validated config. `device`, `precision` and `nonfinite`
     default to the run's; `prepare(model)` runs after the model is built and before the engine
     wraps it (verify turns dropout off and copies the initial weights there)."""
-    if cfg.objective.name == "grpo":
-        return build_grpo(cfg, dist_info, device=device, precision=precision, nonfinite=nonfinite, prepare=prepare)
-    resolve_tokenizer(cfg)
     layout = resolve_layout(cfg)
     if layout is not None:
         log.info("layout: %s", layout)
+    if cfg.objective.name == "grpo":
+        return build_grpo(cfg, dist_info, device=device, precision=precision, nonfinite=nonfinite, prepare=prepare)
+    resolve_tokenizer(cfg)
     torch.manual_seed(cfg.run.seed)
     data = load_data(cfg, dist_info)
     batches = train_batches(cfg, data, dist_info)

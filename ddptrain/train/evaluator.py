@@ -3,7 +3,8 @@ number for any layout, on its own schedule (every trainer.eval_every steps, and 
 component of the loop (train/components.py) that leaves the loss on the step's `val_loss`.
 
 Its microbatches are cut like the training's: batch.micro_size rows, or under batch.micro_tokens
-at most that many padded positions each, so an eval forward never exceeds what the run's
+at most that many padded positions each, or under packing at most the positions of a training
+microbatch (config/layout.py: eval_micro_tokens), so an eval forward never exceeds what the run's
 microbatches (and its memory plan) hold."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import numpy as np
 import torch
 
+from ddptrain.config.layout import eval_micro_tokens
 from ddptrain.config.schema import TrainConfig
 from ddptrain.data.batches import budget_microbatches
 from ddptrain.data.dataset import TokenExamples
@@ -70,7 +72,8 @@ class Evaluator:
         """trainer.eval_examples of `val`, every trainer.eval_every steps and the last, in the run's microbatches."""
         sources = getattr(val, "mixture_sources", None)  # data=mixture: (name, first id, examples) of each source
         return cls(val, cfg.trainer.eval_examples, cfg.batch.micro_size, cfg.trainer.eval_every, cfg.trainer.max_steps,
-                   dist_info, micro_tokens=cfg.batch.micro_tokens, engine=engine, reference=reference,
+                   dist_info, micro_tokens=eval_micro_tokens(cfg.batch, pairs=reference is not None), engine=engine,
+                   reference=reference,
                    sources=sources if sources and len(sources) > 1 else None)
 
     def _rank_microbatches(self, ids: np.ndarray) -> list[list[np.ndarray]]:

@@ -283,12 +283,13 @@ def plan_for_config(cfg: TrainConfig, world_size: int,
     (the vocabulary from data.vocab_size or the tokenizer file: no data is read)."""
     from omegaconf import OmegaConf
 
-    from ddptrain.config.layout import BatchLayout
+    from ddptrain.config.layout import BatchLayout, resolved
     from ddptrain.config.validation import strategy_options
     from ddptrain.contract.blocks import block_class_names
     from ddptrain.data.tokenizer import load_tokenizer
     from ddptrain.models.adapters import adapter_for
 
+    cfg = resolved(cfg)  # the layout the run would take
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     adapter = adapter_for(model_cfg)
     tokenizer = cfg.data.tokenizer if cfg.data.tokenizer is not None else adapter.default_tokenizer(model_cfg)

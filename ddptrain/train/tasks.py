@@ -12,9 +12,10 @@ the sum divided by the choice's length in UTF-8 bytes. With a chat template the 
 turn with the generation prompt, and the delimiter is dropped (the harness does the same).
 
 Items are strided over the ranks (an item's choices stay on one rank), cut into microbatches like
-the training's (batch.micro_size rows or batch.micro_tokens padded positions), and the per-task
-counts all-reduced: any world size gives the same numbers. Every rank runs the same number of
-forwards (fillers), as sharded strategies gather weights collectively.
+the training's (batch.micro_size rows, or batch.micro_tokens padded positions, or under packing the
+positions of a training microbatch), and the per-task counts all-reduced: any world size gives the
+same numbers. Every rank runs the same number of forwards (fillers), as sharded strategies gather
+weights collectively.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddptrain.config.evaluation import task_name
+from ddptrain.config.layout import eval_micro_tokens
 from ddptrain.config.schema import TrainConfig
 from ddptrain.contract.targets import IGNORE_INDEX
 from ddptrain.data.batches import budget_microbatches
@@ -211,7 +213,7 @@ class TaskScorer:
             return None
         tasks = [read_task(path) for path in cfg.trainer.eval_tasks]
         encode, render = run_tokenizer(cfg.data.tokenizer, cfg.trainer.eval_chat_template, cfg.data.chat_template)
-        return cls(tasks, encode, dist_info, cfg.batch.seq_len, cfg.batch.micro_size, cfg.batch.micro_tokens,
+        return cls(tasks, encode, dist_info, cfg.batch.seq_len, cfg.batch.micro_size, eval_micro_tokens(cfg.batch),
                    render, should_run, engine)
 
     def reads(self, end: StepEnd) -> bool:

@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import ddptrain
 from ddptrain.config import DataConfig
@@ -752,6 +753,7 @@ def test_chat_fine_tuning_is_exact_over_layouts_budgets_packing_and_resume(tmp_p
     assert "resumed from" in outputs["2x2"] and "resumed from" in outputs["default"]
     assert "layout: packed conversations (the default for data=sft)" in outputs["default"]
     assert "batch.pack changed from False to True (applied)" in outputs["default"]
+    assert "batch.micro_size changed from 2 to 1 (applied)" in outputs["default"]  # null: one packed row
     reference = curves["1x8"]
     for name, curve in curves.items():
         assert [m["step"] for m in curve] == [1, 2, 3], name
@@ -873,7 +875,7 @@ def test_save_final_outside_a_run_writes_the_chat_files_of_the_data_it_is_given(
 def test_padding_efficiency_counts_masked_prompts_as_real_and_valid_targets_apart(tmp_path, pack):
     """A chat run's metrics recounted from the step's own microbatches: real positions (prompt and
     answer alike) / positions computed, and valid targets / positions computed, apart; the default
-    layout packs the conversations and says so at start-up."""
+    layout packs the conversations, one row per microbatch, says so at start-up and records it."""
     options = () if pack is None else (f"batch.pack={str(pack).lower()}",)
     run_dir, directory, _ = _chat_run(tmp_path, False, "trainer.log_every=1", *options)
     log = (run_dir / "train.log").read_text()
@@ -882,7 +884,12 @@ def test_padding_efficiency_counts_masked_prompts_as_real_and_valid_targets_apar
                           f"batch.seq_len={SEQ}", "batch.global_size=8", *options])
     packed = pack is None
     assert ("layout: packed conversations (the default for data=sft)" in log) == packed
-    batches = TrainBatches(load_splits(cfg.data, SEQ).train, 8, 8, 1234, rank=0, world_size=1, pack=packed,
+    micro = 1 if packed else 8  # batch.micro_size null, resolved: one packed row per microbatch, else 8 rows
+    assert ("; one packed row per microbatch" if packed else "layout: 8 rows per microbatch (batch.micro_size=null)") \
+        in log
+    recorded = OmegaConf.load(run_dir / "config.yaml").batch
+    assert (recorded.pack, recorded.micro_size) == (packed, micro), "the run's config holds the resolved layout"
+    batches = TrainBatches(load_splits(cfg.data, SEQ).train, 8, micro, 1234, rank=0, world_size=1, pack=packed,
                            seq_len=SEQ)
     for m in read_metrics(run_dir):
         processed = real = valid = 0

@@ -80,7 +80,8 @@ def pairs_48(tmp_path_factory) -> LaunchedOnce:
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_dpo_is_exact_over_layouts_ranks_budgets_packing_and_resume(pairs_48, tmp_path, lora):
-    layouts = {"1x8": (1, ["batch.micro_size=8"]), "2x2": (2, ["batch.micro_size=2"]),
+    layouts = {"1x8": (1, ["batch.pack=false", "batch.micro_size=8"]),
+               "2x2": (2, ["batch.pack=false", "batch.micro_size=2"]),  # resumed in the default layout
                "2 ranks, budget": (2, [f"batch.micro_tokens={2 * SEQ}"]),
                "packed": (1, ["batch.pack=true", "batch.micro_size=1"]),
                "2 ranks, packed, budget": (2, ["batch.pack=true", f"batch.micro_tokens={4 * SEQ}"])}
@@ -91,9 +92,13 @@ def test_dpo_is_exact_over_layouts_ranks_budgets_packing_and_resume(pairs_48, tm
             first = run_cli([*pairs_48.base(lora), *options, "trainer.max_steps=2", f"run.dir={run_dir}"],
                             nproc=ranks)
             assert first.returncode == 0, first.stderr[-3000:]
-            result = run_cli([*pairs_48.base(lora), *options, f"run.dir={run_dir}"], nproc=ranks)
+            # resumed in the default layout (packed pairs, one row per microbatch): the same sample
+            result = run_cli([*pairs_48.base(lora), f"run.dir={run_dir}"], nproc=ranks)
             assert result.returncode == 0, result.stderr[-3000:]
             stderr = result.stderr
+            assert "layout: packed pairs (the default for data=preference)" in stderr
+            assert "batch.pack changed from False to True (applied)" in stderr
+            assert "batch.micro_size changed from 2 to 1 (applied)" in stderr
         else:
             run_dir, stderr = pairs_48.run(lora, ranks, options)
         curves[name], outputs[name] = read_metrics(run_dir), stderr

@@ -245,7 +245,7 @@ def test_a_dpo_plan_counts_two_rows_per_pair_and_the_frozen_reference_of_a_full_
     divided by the ranks that shard it where the strategy shards it as the policy (fsdp and zero3: halved
     on the 2 ranks here); with precomputed log-probs, or LoRA's adapter disabled, nothing is added."""
     model = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.vocab_size=256", "batch.seq_len=32",
-             *(["batch.pack=true"] if packed else [])]
+             f"batch.pack={str(packed).lower()}"]
     dpo = ["objective=dpo", "data=preference", "data.paths=[p.jsonl]", "batch.global_size=8"]
     k = 2  # 8 pairs a step, 2 a microbatch: 16 rows a step, 4 a microbatch
     token_2k, token_counts, _, _ = _plan([*model, "batch.global_size=16", f"batch.micro_size={2 * k}"])
@@ -267,6 +267,17 @@ def test_a_dpo_plan_counts_two_rows_per_pair_and_the_frozen_reference_of_a_full_
     assert counts.reference_bytes == 0 and all(plan.reference == 0 for plan in precomputed.values())
     assert " reference " not in table.splitlines()[2] and "log-probs are precomputed" in table
     assert all(plan.activations.bytes == token_2k[label].activations.bytes for label, plan in precomputed.items())
+
+
+def test_the_plan_of_the_default_layout_is_of_the_layout_the_run_resolves():
+    """batch.pack and batch.micro_size left null: a DPO plan is of one packed row of 2 x seq_len per
+    microbatch (planned as 2 rows), a text run's of 8 unpacked rows, as the run itself resolves them."""
+    model = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.vocab_size=256", "batch.seq_len=32"]
+    _, _, layout, table = _plan([*model, "objective=dpo", "data=preference", "data.paths=[p.jsonl]",
+                                 "batch.global_size=8"])
+    assert layout.micro_batch_size == 2 and "1 pair(s) per microbatch are 2 rows" in table, table
+    _, _, layout, _ = _plan([*model, "batch.global_size=16"])
+    assert (layout.micro_batch_size, layout.grad_accum_steps) == (8, 1)
 
 
 @pytest.mark.slow  # peft and a transformers model
