@@ -365,3 +365,13 @@ def test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step
     for line in steps:
         peak, live = (int(re.search(rf"{key} ([\d,]+)", line)[1].replace(",", "")) for key in ("peak", "live"))
         assert 0 < live <= peak, out
+
+
+def test_mfu_benchmark_prints_each_steps_mfu_against_the_probe_and_where_the_time_goes():
+    out = _run("benchmarks.bench_mfu", "--runs", "default", "--steps", "3")
+    assert out.startswith("benchmarks.bench_mfu: one rank's step in one process, 1 thread(s), fp32, cpu"), out
+    mfus = [float(value) for value in re.findall(r"\| MFU ([\d.]+)%", out)]
+    assert len(mfus) == 2 and all(0 < mfu <= 100 for mfu in mfus), out
+    for part in ("matmuls", "attention", "the rest", "matmul FLOPs run / FLOPs counted"):
+        assert f"    {part}" in out, out
+    assert "MFU median of steps 1..1:" in out, out
