@@ -14,7 +14,8 @@ the training command's own builder, so the model, the layout and the FLOP count 
 Per step: the model FLOPs the trainer counts (`ModelFlops`: 4N for frozen weights, 6N for trained
 ones, the chunked head on valid targets), the step's wall time, and MFU against the same
 `probe_peak_flops` the trainer runs at start-up (at the run's threads), re-probed before every step
-so that another job's load lowers the peak and the step alike. Then one profiled step splits the
+so that another job's load lowers the peak and the step alike; beside it the same by the step's
+CPU time (process time, one thread: what the step would take with the core to itself). Then one profiled step splits the
 time: the matmuls (aten::mm, addmm, bmm: their share of the step and the rate they reach against the
 probe), attention, the rest (elementwise, norms, the optimizer, Python). MFU is about the product of
 the matmuls' share and their rate: a figure, not a test.
@@ -75,9 +76,9 @@ def worker(args) -> None:
         if profiled:
             profiler = profile(activities=[ProfilerActivity.CPU], with_flops=True)
             profiler.__enter__()
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         stats = built.engine.step(microbatches)
-        seconds = time.perf_counter() - started
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
         valid = int(stats.tokens)
         flops = sum(counted.per_microbatch(rows, width) for rows, width in shapes) + counted.per_valid_target() * valid
         if profiled:
@@ -86,15 +87,17 @@ def worker(args) -> None:
                   f"{seconds:.2f} s under the profiler", flush=True)
             breakdown(profiler.key_averages(), peak, flops)
             continue
-        mfu = flops / seconds / peak
+        mfu, by_cpu = flops / seconds / peak, flops / max(cpu_seconds, 1e-9) / peak
         if step:  # the first step warms up (allocator, kernels)
-            mfus.append(mfu)
+            mfus.append((mfu, by_cpu))
         print(f"  step {step}: {' '.join(f'{r}x{w}' for r, w in shapes)} | {valid} valid targets | "
               f"{flops / 1e9:,.1f} GFLOP counted in {seconds:.2f} s = {flops / seconds / 1e9:,.1f} GFLOP/s | "
-              f"probe {peak / 1e9:,.1f} GFLOP/s | MFU {mfu:.1%}", flush=True)
+              f"probe {peak / 1e9:,.1f} GFLOP/s | MFU {mfu:.1%} | by CPU time ({cpu_seconds:.2f} s) {by_cpu:.1%}",
+              flush=True)
     if mfus:
-        mfus.sort()
-        print(f"  MFU median of steps 1..{args.steps - 2}: {mfus[len(mfus) // 2]:.1%}", flush=True)
+        middle = len(mfus) // 2
+        print(f"  MFU median of steps 1..{args.steps - 2}: {sorted(m for m, _ in mfus)[middle]:.1%} "
+              f"(by CPU time {sorted(c for _, c in mfus)[middle]:.1%})", flush=True)
 
 
 def breakdown(events, peak: float, counted_flops: float) -> None:
