@@ -81,6 +81,12 @@ COMMANDS = {
     'python -m benchmarks.bench_memory_lora --steps 2 --profile 12 --layouts "batch.micro_size=8"':
         "not run: minutes on the real model; tests/test_benchmarks.py::"
         "test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step runs the benchmark",
+    "python -m benchmarks.bench_mfu --runs default,real-lora,real-full --steps 6":
+        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "test_mfu_benchmark_prints_each_steps_mfu_against_the_probe_and_where_the_time_goes runs it on the default run",
+    'python -m benchmarks.bench_mfu --runs real-lora --steps 6 --extra "batch.micro_size=8"':
+        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "test_mfu_benchmark_prints_each_steps_mfu_against_the_probe_and_where_the_time_goes runs it on the default run",
     "python -m benchmarks.bench_memory_lora --steps 4":
         "not run: minutes on the real model; tests/test_benchmarks.py::"
         "test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step runs the benchmark",
