@@ -76,6 +76,17 @@ def worker(args) -> None:
               f"cpu {seconds:.1f}s", flush=True)
 
 
+def run_worker(cmd: list[str], threads: int = 1) -> None:
+    """Runs a benchmark's worker command in a fresh process (`threads` torch threads, offline, this
+    checkout first on the path) and prints what it printed; its stderr's tail if it fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    print(done.stdout, end="", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="batch.micro_size=8;batch.micro_size=1",
@@ -103,12 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd = [sys.executable, "-m", "benchmarks.bench_memory_lora", "--worker", layout.strip(), "--steps",
                    str(args.steps), "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch),
                    "--lora-r", str(args.lora_r), "--cache", args.cache or cache, "--profile", str(args.profile)]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                   "PYTHONPATH": os.getcwd()}
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            if done.returncode:
-                raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-            print(done.stdout, end="", flush=True)
+            run_worker(cmd)
 
 
 if __name__ == "__main__":

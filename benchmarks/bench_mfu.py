@@ -24,13 +24,13 @@ the matmuls' share and their rate: a figure, not a test.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+from benchmarks.bench_memory_lora import run_worker
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -146,12 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd = [sys.executable, "-m", "benchmarks.bench_mfu", "--worker", run, "--steps", str(args.steps),
                    "--threads", str(args.threads), "--seq-len", str(args.seq_len), "--global-batch",
                    str(args.global_batch), "--cache", args.cache or cache, "--extra", args.extra]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.getcwd()}
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            if done.returncode:
-                raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-            print(done.stdout, end="", flush=True)
+            run_worker(cmd, args.threads)
 
 
 if __name__ == "__main__":
