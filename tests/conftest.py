@@ -64,3 +64,33 @@ def _cudnn_attention_as_it_was():
     saved = torch.backends.cuda.cudnn_sdp_enabled()
     yield
     torch.backends.cuda.enable_cudnn_sdp(saved)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server():
+    """One fork server per test process (tests/zygote.py), for run_cli's launches: started here
+    without waiting for it, so that launches before it is up run plainly."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.zygote import ENV_VAR
+
+    if os.environ.get("DDPTRAIN_TEST_NO_ZYGOTE"):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="ddptrain-zygote-")
+    path = os.path.join(folder, "server.sock")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py"), "serve", path], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(path + ".log", "w"))
+    os.environ[ENV_VAR] = path
+    yield
+    os.environ.pop(ENV_VAR, None)
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()

@@ -9,7 +9,6 @@ import importlib.metadata
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -18,6 +17,7 @@ import torch
 
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.contract.targets import IGNORE_INDEX
+from tests.zygote import launch_command
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 32
@@ -48,14 +48,23 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return worst
 
 
+def python_command(argv: list[str], nproc: int = 1, torchrun_args: tuple | list = ()) -> list[str]:
+    """`python -m MODULE ARGS` (argv: `-m MODULE ARGS`), or under `torchrun --standalone` when nproc > 1
+    or torchrun_args are given: each Python process forked from the tests' fork server where one is
+    up (tests/zygote.py), else started plainly."""
+    if nproc == 1 and not torchrun_args:
+        return launch_command(argv)
+    worker = launch_command(["-u", *argv])  # torchrun's own `-m` starts `python -u -m MODULE`
+    script = ["--no-python", *worker] if worker[1:2] == ["-S"] else worker[2:]
+    return launch_command(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *torchrun_args, *script])
+
+
 def run_cli(args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: float = 300,
             env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m ddptrain ARGS` (nproc == 1) or `torchrun --standalone --nproc_per_node=N -m ddptrain ARGS`."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "ddptrain", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "ddptrain", *args]
+    """`python -m ddptrain ARGS` (nproc == 1) or `torchrun --standalone --nproc_per_node=N -m ddptrain ARGS`,
+    each Python process forked from the tests' fork server where one is up (tests/zygote.py)."""
+    cmd = python_command(["-m", "ddptrain", *args], nproc=nproc)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 

@@ -10,7 +10,7 @@ each chunk's logits in backward. What must stay true:
 - No logits beyond one chunk's are alive, in forward or backward: (min(chunk_tokens, N_valid), V)
   logits and their gradient at most; autograd keeps the gathered (N_valid, D) hidden states.
 - The head's FLOPs are spent on valid targets only (one more forward of the head per chunk, in
-  backward).
+  backward, where the head has parameters to train; none where it has not).
 - No valid target: 0 (not NaN), still through the head, so that every parameter of the head gets
   a gradient (zeros) and DDP and FSDP see it used.
 """
@@ -21,6 +21,7 @@ import numbers
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ddptrain.contract.targets import IGNORE_INDEX
@@ -119,9 +120,51 @@ def _chunk_sum(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tenso
     parameters; the recomputation runs the same operations on the same inputs, so the gradients are
     those of the full logits. Non-reentrant: it works with inputs or parameters that need no grad,
     restores the RNG state (the same dropout mask) and the autocast state in the recomputation.
-    The price is one more forward of the head per chunk.
+    The price is one more forward of the head per chunk, which a head with nothing to train (the
+    frozen output layer of a LoRA run, a frozen model's) does not pay: `_FrozenHeadChunk`.
     """
+    if torch.is_grad_enabled() and hidden_chunk.requires_grad and _trains_nothing(head):
+        return _FrozenHeadChunk.apply(hidden_chunk, head, target_chunk, objective)
     return checkpoint(_head_objective_sum, hidden_chunk, head, target_chunk, objective, use_reentrant=False)
+
+
+def _trains_nothing(head: Head) -> bool:
+    """Whether `head` is a module of its own (no submodule) with no parameter that requires a gradient
+    and no hook: a plain callable is unknown, and a hooked head (FSDP's unshard around its own unit,
+    ZeRO-3's gather) expects its forward and backward where autograd runs them, so both keep the
+    checkpointed path. Not while torch.compile traces either."""
+    if not isinstance(head, nn.Module) or next(head.children(), None) is not None:
+        return False
+    hooks = (head._forward_pre_hooks, head._forward_hooks, head._backward_pre_hooks, head._backward_hooks)
+    return (not any(hooks) and not any(param.requires_grad for param in head.parameters())
+            and not torch.compiler.is_compiling())
+
+
+class _FrozenHeadChunk(torch.autograd.Function):
+    """Head + objective on one chunk of a head with nothing to train: the chunk's gradient with
+    respect to its hidden states is computed in forward, while its logits are alive (autograd
+    differentiates the head and the objective there, whatever they are), and kept, (C, D), for
+    backward, which scales it by the incoming gradient. No recomputation: the head runs one forward
+    and one backward per chunk instead of two forwards and a backward; what is held for backward is
+    the same size as what checkpointing holds (the chunk's hidden states). Liger's fused linear
+    cross-entropy does the same for a Linear head."""
+
+    @staticmethod
+    def forward(ctx, hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,
+                objective: Objective) -> torch.Tensor:
+        with torch.enable_grad():
+            detached = hidden_chunk.detach().requires_grad_()
+            # head.forward, not head(): the module has no hook of its own (`_trains_nothing`), and a
+            # global one (a FLOP counter's module tracker) would hook tensors of this inner graph
+            total = objective.token_sum(head.forward(detached), target_chunk)
+            (grad,) = torch.autograd.grad(total, detached, allow_unused=True)
+        ctx.save_for_backward(grad if grad is not None else torch.zeros_like(detached))
+        return total.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output, None, None, None
 
 
 def _head_objective_sum(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,

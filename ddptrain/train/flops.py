@@ -17,8 +17,9 @@ frozen embedding, whose output needs no gradient: their input gradient is counte
 computed (2 x one block's q, k, v per token, under 1% of a model with more than a few blocks).
 
 With the chunked head (trainer.chunked_head) the head's matmul runs on the valid targets only, and
-twice forward (its logits are recomputed in backward): (6 * N - 2 * N_frozen) without the head per
-processed token plus 8 * n_embd * vocab per valid target (6 for a frozen head), what is computed.
+twice forward where it trains (its logits are recomputed in backward): (6 * N - 2 * N_frozen)
+without the head per processed token plus 8 * n_embd * vocab per valid target, or 4 for a frozen
+head (its gradient is taken in the forward, no recompute: ddptrain/engine/chunked.py), what is computed.
 
 The peak: a table of accelerators (`PEAK_FLOPS`), else (logger.peak_flops=auto: a CPU, an unknown
 GPU, fp64) measured at start-up by `probe_peak_flops`: a few square matmuls at the run's dtype and
@@ -163,7 +164,7 @@ class ModelFlops:
     head_params: int = 0
     """The output head's matmul parameters (n_embd x vocab), part of matmul_params."""
     chunked_head: bool = False
-    """The head runs on valid targets only, its forward twice (`per_valid_target`)."""
+    """The head runs on valid targets only, its forward twice where it trains (`per_valid_target`)."""
     frozen_params: int = 0
     """Matmul parameters that get no weight gradient (LoRA's base), part of matmul_params."""
     head_frozen: bool = False
@@ -183,8 +184,11 @@ class ModelFlops:
         return rows * seq_len * (self.per_token(seq_len) - head)
 
     def per_valid_target(self) -> float:
-        """The chunked head's FLOPs per valid target: the above plus its forward's recompute (2 x its size)."""
-        return self._head_per_position() + 2.0 * self.head_params if self.chunked_head else 0.0
+        """The chunked head's FLOPs per valid target: the above, plus its forward's recompute (2 x its size)
+        where the head trains (a frozen head's gradient is taken in its one forward)."""
+        if not self.chunked_head:
+            return 0.0
+        return self._head_per_position() + (0.0 if self.head_frozen else 2.0 * self.head_params)
 
     @classmethod
     def of_gpt(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops":

@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from ddptrain.models import GPT, GPTConfig
 from ddptrain.models.convert import gpt_to_hf
 from ddptrain.runs.layout import RUN_ENTRIES
 from tests.helpers import REPO, TINY_RUN, import_optional, run_cli, save_bpe_tokenizer
+from tests.zygote import launch_command
 
 transformers = import_optional("transformers")
 
@@ -189,7 +189,7 @@ def test_exported_run_matches_load_model_end_to_end(tmp_path):
     result = run_cli([*TINY_RUN, "trainer.max_steps=3", "batch.global_size=4", "batch.micro_size=4",
                       "batch.seq_len=64", f"run.dir={run_dir}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    result = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(out_dir)], cwd=REPO,
+    result = subprocess.run([*launch_command(["-m", "ddptrain.export"]), str(run_dir), str(out_dir)], cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -208,7 +208,7 @@ def test_exported_run_matches_load_model_end_to_end(tmp_path):
     generated = exported.generate(prompt, do_sample=False, max_new_tokens=8)
     assert torch.equal(generated, greedy(trained, prompt, 8))
 
-    again = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(out_dir)], cwd=REPO,
+    again = subprocess.run([*launch_command(["-m", "ddptrain.export"]), str(run_dir), str(out_dir)], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr
 
@@ -350,7 +350,7 @@ def test_an_export_into_a_run_dirs_best_or_servable_best_is_refused_on_the_comma
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (run_dir / "best").exists()
     for target in ("servable-best", "best", "tensorboard", "previous/x"):
-        refused = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(run_dir / target)],
+        refused = subprocess.run([*launch_command(["-m", "ddptrain.export"]), str(run_dir), str(run_dir / target)],
                                  cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
                                  capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2, (target, refused.stderr[-3000:])

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from ddptrain.models import GPT, GPTConfig
 from ddptrain.testing import run_distributed
 from ddptrain.verify import (Report, StepComparison, compose_config, disable_dropout, equivalence_caveats,
                              format_report, log_equivalence_caveats, main, relative_difference, verify)
-from tests.helpers import REPO, VERIFY_RUN
+from tests.helpers import REPO, VERIFY_RUN, python_command
 
 BATCHNORM = ["model=custom", "model._target_=tests.commands.test_verify.make_batchnorm_lm"]
 
@@ -137,8 +136,7 @@ def test_cli_exit_codes_say_agree_differ_or_bad_config(capsys):
 
 @pytest.mark.slow
 def test_cli_under_torchrun_prints_one_report_that_agrees():
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "ddptrain.verify", "--steps", "2", *VERIFY_RUN, "batch.micro_size=2"]
+    command = python_command(["-m", "ddptrain.verify", "--steps", "2", *VERIFY_RUN, "batch.micro_size=2"], nproc=2)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-3000:]

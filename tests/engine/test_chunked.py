@@ -121,6 +121,32 @@ def test_a_lora_wrapped_head():
         assert relative_difference(chunked, full) < 1e-9
 
 
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_a_frozen_head_gives_the_full_logits_gradient_in_fp64(objective, mask):
+    """A head with nothing to train (a LoRA run's output layer) takes the path without recomputation:
+    the same loss and hidden-state gradient as the full logits."""
+    hidden, head, targets = _case(mask, seed=7)
+    head.requires_grad_(False)
+    chunked, full = _both(hidden, head, targets, OBJECTIVES[objective], {"hidden": hidden}, 4)
+    if mask == "none":
+        assert all(torch.equal(value, torch.zeros_like(value)) for value in chunked.values())
+    else:
+        assert relative_difference(chunked, full) < 1e-9
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_the_head_runs_one_forward_per_chunk_unless_it_has_parameters_to_train(trainable):
+    """Frozen: each chunk's head runs once (its gradient is taken in forward); trainable: once more
+    in backward (the checkpointed chunk is recomputed)."""
+    hidden, head, targets = _case("ragged", seed=8)  # 14 valid targets: 4 chunks of 4
+    head.requires_grad_(trainable)
+    calls, forward = [], head.forward
+    head.forward = lambda hidden_chunk: calls.append(1) or forward(hidden_chunk)  # a hook would change the path
+    head_token_sum(hidden, head, targets, OBJECTIVES["both"], 4).backward()
+    assert len(calls) == (8 if trainable else 4)
+
+
 # -- within rounding in fp32 and bf16 --------------------------------------------------------------
 
 

@@ -10,7 +10,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ from ddptrain.train.optim import build_optimizer
 from ddptrain.runs.resume import check_base_weights
 from tests.helpers import (MODEL_RUN, import_deepspeed, import_optional, keeping_mtimes, read_metrics, run_cli,
                            save_bpe_tokenizer)
+from tests.zygote import launch_command
 
 # peft's from_pretrained still asks transformers 5 for the renamed `is_gradient_checkpointing`
 # (ddptrain's own calls to peft silence it in ddptrain.models.lora).
@@ -428,7 +428,7 @@ def test_lora_fine_tunes_chats_and_the_merged_export_has_its_logits(tmp_path):
     final = run_dir / "final"
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja"} <= \
         {p.name for p in final.iterdir()}
-    result = subprocess.run([sys.executable, "-m", "ddptrain.export", str(run_dir), str(tmp_path / "merged"),
+    result = subprocess.run([*launch_command(["-m", "ddptrain.export"]), str(run_dir), str(tmp_path / "merged"),
                              "--merge"], capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -16,7 +15,8 @@ import torch
 
 from ddptrain.runs import store as ckpt
 from ddptrain.testing import free_port
-from tests.helpers import REPO, RESUME_RUN, import_deepspeed, read_metrics, run_cli, straight_run
+from tests.helpers import REPO, RESUME_RUN, import_deepspeed, python_command, read_metrics, run_cli, straight_run
+from tests.zygote import launch_command
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,7 @@ def losses(run_dir) -> list[float]:
 def train(run_dir, *overrides, nproc=2, env=None, torchrun_args=(), check=True):
     args = [*RUN, f"run.dir={run_dir}", *overrides]
     if torchrun_args:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *torchrun_args, "-m", "ddptrain", *args]
+        cmd = python_command(["-m", "ddptrain", *args], nproc=nproc, torchrun_args=torchrun_args)
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     else:
@@ -214,7 +213,7 @@ def _start_ranks(run_dir, overrides, world_size=2):
     for rank in range(world_size):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "ddptrain", *RUN, f"run.dir={run_dir}", *overrides],
+        procs.append(subprocess.Popen([*launch_command(["-m", "ddptrain"]), *RUN, f"run.dir={run_dir}", *overrides],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

@@ -20,13 +20,12 @@ import torch
 
 from ddptrain.runs import store as ckpt
 from ddptrain.runs.lock import LOCK, RunDirLock, RunDirLocked
-from tests.helpers import REPO, SMALL_RUN, finished_run, read_metrics, run_cli, write_earlier_run
+from tests.helpers import REPO, SMALL_RUN, finished_run, python_command, read_metrics, run_cli, write_earlier_run
 
 
 def _start(args: list[str], nproc: int, env: dict | None = None) -> subprocess.Popen:
     """torchrun in its own session (so a test can kill the launcher alone, or the whole group)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "ddptrain", *args]
+    cmd = python_command(["-m", "ddptrain", *args], nproc=nproc)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

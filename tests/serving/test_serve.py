@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, finished_run, import_optional, keeping_mtimes
+from tests.zygote import launch_command
 
 import_optional("transformers")
 import_optional("fastapi")
@@ -723,7 +723,7 @@ def _env() -> dict:
 
 @pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_generate_cli_continues_prompts_like_load_model_and_refuses_what_does_not_fit(run_dir, model, capsys):
-    command = [sys.executable, "-m", "ddptrain.generate", str(run_dir), "--prompt", "import ", "--prompt", "class Foo",
+    command = [*launch_command(["-m", "ddptrain.generate"]), str(run_dir), "--prompt", "import ", "--prompt", "class Foo",
                "--max-tokens", "20", "--temperature", "0"]
     result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -744,7 +744,7 @@ def serve_cli(path, log):
     """`python -m ddptrain.serve PATH --port P` in a subprocess, its output in `log`; yields its URL once
     /health answers, and terminates it after."""
     port, output = free_port(), open(log, "w+")
-    process = subprocess.Popen([sys.executable, "-m", "ddptrain.serve", str(path), "--port", str(port)],
+    process = subprocess.Popen([*launch_command(["-m", "ddptrain.serve"]), str(path), "--port", str(port)],
                                cwd=REPO, env=_env(), stdout=output, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600  # a hang guard: the server starts in seconds
@@ -791,7 +791,7 @@ def test_serve_cli_answers_chat_with_the_models_template(chat_dir, model, tmp_pa
 @pytest.mark.slow  # over 4 s (a process launch or ranks): out of the fast tier
 def test_serve_cli_refuses_a_directory_it_cannot_serve(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a transformers directory without tokenizer.json
-    result = subprocess.run([sys.executable, "-m", "ddptrain.serve", str(tmp_path)], cwd=REPO, env=_env(),
+    result = subprocess.run([*launch_command(["-m", "ddptrain.serve"]), str(tmp_path)], cwd=REPO, env=_env(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "has no tokenizer.json" in result.stderr
 

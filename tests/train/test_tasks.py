@@ -22,6 +22,7 @@ from ddptrain.distributed import init_distributed
 from ddptrain.train.tasks import Item, TaskScorer, encode_pair, read_task, run_tokenizer
 from tests.helpers import (REPO, RESUME_RUN, import_optional, is_installed, read_metrics, run_cli,
                            save_pretrained_llama)
+from tests.zygote import launch_command
 
 WORDS = "the cat sat on a mat while dogs ran over hills and rivers flowed quietly under old stone bridges".split()
 
@@ -202,7 +203,7 @@ def test_the_evaluate_command_names_a_damaged_run_or_a_bad_task_file_in_one_line
         task.write_bytes(task.read_bytes() + '{"context": "café", "choices": ["a", "b"], "label": 0}\n'.encode("latin-1"))
         words = [f"{task}:2: ", "is not UTF-8"]
     if case == "final tampered":
-        result = subprocess.run([sys.executable, "-m", "ddptrain.evaluate", *args], cwd=REPO, capture_output=True,
+        result = subprocess.run([*launch_command(["-m", "ddptrain.evaluate"]), *args], cwd=REPO, capture_output=True,
                                 text=True, timeout=300)
     else:
         with pytest.raises(SystemExit) as exited:
@@ -270,7 +271,7 @@ def test_task_accuracy_in_the_loop_equals_transformers_own_forward_on_the_weight
 def test_the_evaluate_command_prints_the_same_numbers_for_a_run_and_a_transformers_directory(hf_run):
     run_dir, task, _ = hf_run
     acc, acc_norm = _evals(run_dir)[4]
-    result = _ok(subprocess.run([sys.executable, "-m", "ddptrain.evaluate", str(run_dir), str(task)],
+    result = _ok(subprocess.run([*launch_command(["-m", "ddptrain.evaluate"]), str(run_dir), str(task)],
                                 cwd=REPO, capture_output=True, text=True, timeout=300))  # the run's length: 64
     printed = json.loads(result.stdout.strip().splitlines()[-1])
     assert printed == {"task": "mc", "acc": acc, "acc_norm": acc_norm, "items": 24}
@@ -297,7 +298,7 @@ def test_the_evaluate_command_wraps_contexts_in_the_chat_template(hf_run, tmp_pa
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (chat_dir / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "chat_template": template}))
-    result = _ok(subprocess.run([sys.executable, "-m", "ddptrain.evaluate", str(chat_dir), str(task), "--chat-template",
+    result = _ok(subprocess.run([*launch_command(["-m", "ddptrain.evaluate"]), str(chat_dir), str(task), "--chat-template",
                                  "--max-length", "64"], cwd=REPO, capture_output=True, text=True, timeout=300))
     printed = json.loads(result.stdout.strip().splitlines()[-1])
 
