@@ -127,7 +127,11 @@ def test_the_forked_process_sees_the_clients_parent_and_gets_sigterm_when_it_die
     process, path, folder = server
     (folder / "zorphan.py").write_text(
         "import os, signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], 'w').write('sigterm'), sys.exit(0)))\n"
+        "def leave(*_):\n"
+        "    open(sys.argv[1] + '.tmp', 'w').write('sigterm')\n"
+        "    os.replace(sys.argv[1] + '.tmp', sys.argv[1])  # whole when it appears\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, leave)\n"
         "print(os.getppid(), flush=True)\ntime.sleep(60)\n")
     marker = folder / "orphan.txt"
     env = {**os.environ, zygote.ENV_VAR: path, "PYTHONPATH": str(folder), "CUDA_VISIBLE_DEVICES": "",
