@@ -51,6 +51,15 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
+def _lock_holder_alive(run_dir) -> bool:
+    try:
+        pid = json.loads((run_dir / LOCK).read_text())["pid"]
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def _logged_steps(run_dir) -> int:
     try:
         return len(read_metrics(run_dir))
@@ -125,7 +134,10 @@ def test_workers_do_not_outlive_torchrun_and_the_next_launch_resumes(tmp_path):
     try:
         os.kill(launcher.pid, signal.SIGKILL)  # torchrun alone: its workers get the parent-death signal
         launcher.wait(timeout=10)
-        _wait_for(lambda: _session_pids(launcher.pid) == [], 60, "the orphaned workers to exit")
+        # torchrun starts its workers in sessions of their own: they are waited for by the run dir's
+        # lock, which rank 0 holds until it exits (after its preemption checkpoint)
+        _wait_for(lambda: _session_pids(launcher.pid) == [] and not _lock_holder_alive(run_dir), 60,
+                  "the orphaned workers to exit")
     finally:
         for pid in _session_pids(launcher.pid):
             os.kill(pid, signal.SIGKILL)
