@@ -71,6 +71,7 @@ def _fork_server():
     """One fork server per test process (tests/zygote.py), for run_cli's launches: started here
     without waiting for it, so that launches before it is up run plainly."""
     import os
+    import shutil
     import subprocess
     import sys
     import tempfile
@@ -84,8 +85,9 @@ def _fork_server():
     folder = tempfile.mkdtemp(prefix="ddptrain-zygote-")
     path = os.path.join(folder, "server.sock")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py"), "serve", path], env=env,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(path + ".log", "w"))
+    with open(path + ".log", "w") as log:
+        server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py"), "serve", path], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
     os.environ[ENV_VAR] = path
     yield
     os.environ.pop(ENV_VAR, None)
@@ -94,3 +96,4 @@ def _fork_server():
         server.wait(timeout=30)
     except subprocess.TimeoutExpired:
         server.kill()
+    shutil.rmtree(folder, ignore_errors=True)
