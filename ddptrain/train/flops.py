@@ -16,10 +16,11 @@ few percent at most for small models). Under LoRA the first block's input projec
 frozen embedding, whose output needs no gradient: their input gradient is counted though not
 computed (2 x one block's q, k, v per token, under 1% of a model with more than a few blocks).
 
-With the chunked head (trainer.chunked_head) the head's matmul runs on the valid targets only, and
-twice forward where it trains (its logits are recomputed in backward): (6 * N - 2 * N_frozen)
-without the head per processed token plus 8 * n_embd * vocab per valid target, or 4 for a frozen
-head (its gradient is taken in the forward, no recompute: ddptrain/engine/chunked.py), what is computed.
+With the chunked head (trainer.chunked_head) the head's matmul runs on the valid targets only:
+(6 * N - 2 * N_frozen) without the head per processed token plus 6 * n_embd * vocab per valid
+target (4 for a frozen head), what is computed. Its gradients are taken in its one forward where
+it is a plain nn.Linear or a frozen leaf; a head the chunked path checkpoints (LoRA-wrapped, hooked
+by FSDP or ZeRO-3) runs its forward twice, 2 * n_embd * vocab more (ddptrain/engine/chunked.py).
 
 The peak: a table of accelerators (`PEAK_FLOPS`), else (logger.peak_flops=auto: a CPU, an unknown
 GPU, fp64) measured at start-up by `probe_peak_flops`: a few square matmuls at the run's dtype and
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from ddptrain.config.choices import PRECISION_DTYPES
+from ddptrain.engine.chunked import recomputes_head
 from ddptrain.models.kernel_check import fp32_matmuls_in_tf32
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,8 @@ class ModelFlops:
     """Matmul parameters that get no weight gradient (LoRA's base), part of matmul_params."""
     head_frozen: bool = False
     """The head is frozen (its parameters are in frozen_params)."""
+    head_recomputed: bool = False
+    """The chunked head's forward runs twice per chunk (checkpointed: `chunked.recomputes_head`)."""
 
     def per_token(self, seq_len: int) -> float:
         """Forward + backward FLOPs of one token in a sequence of `seq_len` positions (all of the head)."""
@@ -185,17 +189,18 @@ class ModelFlops:
 
     def per_valid_target(self) -> float:
         """The chunked head's FLOPs per valid target: the above, plus its forward's recompute (2 x its size)
-        where the head trains (a frozen head's gradient is taken in its one forward)."""
+        where it is checkpointed (a plain Linear's or a frozen leaf's gradients are taken in its one forward)."""
         if not self.chunked_head:
             return 0.0
-        return self._head_per_position() + (0.0 if self.head_frozen else 2.0 * self.head_params)
+        return self._head_per_position() + (2.0 * self.head_params if self.head_recomputed else 0.0)
 
     @classmethod
     def of_gpt(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops":
         """From a ddptrain GPT: all parameters but the position embedding (tied weights once)."""
         matmul = [p for name, p in model.named_parameters() if name != "pos_emb.weight"]
         return cls(sum(p.numel() for p in matmul), model.cfg.n_layer, model.cfg.n_embd, model.head.weight.numel(),
-                   chunked_head, _frozen(matmul), not model.head.weight.requires_grad)
+                   chunked_head, _frozen(matmul), not model.head.weight.requires_grad,
+                   chunked_head and recomputes_head(model.head))
 
     @classmethod
     def of_module(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops | None":
@@ -219,7 +224,8 @@ class ModelFlops:
         matmul = [p for p in model.parameters() if id(p) not in lookups]
         head_frozen = output is not None and not output.weight.requires_grad
         return cls(sum(p.numel() for p in matmul), int(layers), int(width),
-                   output.weight.numel() if output is not None else 0, chunked_head, _frozen(matmul), head_frozen)
+                   output.weight.numel() if output is not None else 0, chunked_head, _frozen(matmul), head_frozen,
+                   chunked_head and output is not None and recomputes_head(output))
 
 
 def _frozen(params: list[nn.Parameter]) -> int:

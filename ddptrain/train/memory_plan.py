@@ -40,7 +40,7 @@ from torch import nn
 from ddptrain.config.choices import PRECISION_DTYPES, STRATEGY_NAMES
 from ddptrain.config.schema import TrainConfig
 from ddptrain.contract.outputs import HEAD_LOSS, logits_of, takes_head_loss
-from ddptrain.engine.chunked import HeadLoss, chunk_rows
+from ddptrain.engine.chunked import HeadLoss, chunk_rows, held_head_grad_bytes
 from ddptrain.models.gpt import GPT
 from ddptrain.models.lora import is_adapted
 from ddptrain.engine.objective import token_loss_sum
@@ -167,8 +167,9 @@ def _fused_attention(model: nn.Module) -> bool:
 def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: int, precision: str,
                              vocab_size: int, checkpointed: bool = False, head_chunk_tokens: int | None = None) -> float:
     """Korthikanti et al. 2022: 34·B·T·d + 5·B·h·T² bytes per layer at 2 bytes per value, plus the
-    logits; with activation checkpointing, each block keeps its input (2·B·T·d) and one block's
-    activations live at a time (the paper's full recomputation)."""
+    logits (and the weight gradient the chunked head holds from forward to backward); with
+    activation checkpointing, each block keeps its input (2·B·T·d) and one block's activations live
+    at a time (the paper's full recomputation)."""
     config = getattr(model, "config", None) or getattr(model, "cfg", None)  # transformers' | the built-in GPT's
     width = getattr(config, "n_embd", None) or getattr(config, "hidden_size", 0)
     layers = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
@@ -178,7 +179,9 @@ def formula_activation_bytes(model: nn.Module, micro_batch_size: int, seq_len: i
     per_layer = 34 * b * t * width + 5 * b * heads * t * t
     blocks = layers * 2 * b * t * width + per_layer if checkpointed else layers * per_layer
     logit_rows = min(b * t, head_chunk_tokens) if head_chunk_tokens else b * t  # the chunked head: one chunk's
-    return blocks * scale + 2 * logit_rows * vocab_size * BYTES_PER_VALUE.get(precision, 4)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "head", None)
+    held = held_head_grad_bytes(head) if head_chunk_tokens and head is not None else 0
+    return blocks * scale + 2 * logit_rows * vocab_size * BYTES_PER_VALUE.get(precision, 4) + held
 
 
 # -- the strategies ---------------------------------------------------------------------------------

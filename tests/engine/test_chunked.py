@@ -135,16 +135,32 @@ def test_a_frozen_head_gives_the_full_logits_gradient_in_fp64(objective, mask):
         assert relative_difference(chunked, full) < 1e-9
 
 
-@pytest.mark.parametrize("trainable", [False, True])
-def test_the_head_runs_one_forward_per_chunk_unless_it_has_parameters_to_train(trainable):
-    """Frozen: each chunk's head runs once (its gradient is taken in forward); trainable: once more
-    in backward (the checkpointed chunk is recomputed)."""
+class _OwnForward(nn.Linear):
+    """A Linear with a forward of its own: the chunked head cannot know what it computes."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden)
+
+
+@pytest.mark.parametrize("head_kind, matmuls", [("frozen", 2), ("trainable", 3), ("own forward", 4), ("hooked", 4)])
+def test_the_head_runs_one_forward_per_chunk_unless_it_is_not_a_plain_module(head_kind, matmuls):
+    """The head's matmuls per valid target, by torch's FLOP counter: a frozen head's forward and input
+    gradient (2), a trainable nn.Linear's forward, input and weight gradients (3: all taken in the
+    forward), and one more (the checkpointed chunk's recomputed forward) for a head with a forward of
+    its own or a hook, whose computation the chunked head must leave to autograd."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     hidden, head, targets = _case("ragged", seed=8)  # 14 valid targets: 4 chunks of 4
-    head.requires_grad_(trainable)
-    calls, forward = [], head.forward
-    head.forward = lambda hidden_chunk: calls.append(1) or forward(hidden_chunk)  # a hook would change the path
-    head_token_sum(hidden, head, targets, OBJECTIVES["both"], 4).backward()
-    assert len(calls) == (8 if trainable else 4)
+    if head_kind == "own forward":
+        own = _OwnForward(WIDTH, VOCAB, dtype=hidden.dtype)
+        own.load_state_dict(head.state_dict())
+        head = own
+    head.requires_grad_(head_kind != "frozen")
+    if head_kind == "hooked":
+        head.register_forward_pre_hook(lambda module, args: None)
+    with FlopCounterMode(display=False) as counter:
+        head_token_sum(hidden, head, targets, OBJECTIVES["both"], 4).backward()
+    assert counter.get_total_flops() == matmuls * 2 * 14 * WIDTH * VOCAB
 
 
 # -- within rounding in fp32 and bf16 --------------------------------------------------------------

@@ -106,7 +106,8 @@ def test_flops_per_token_of_the_default_model_match_a_hand_count_and_torch_flop_
 
 def test_chunked_head_flops_match_torch_flop_counter():
     """ModelFlops with the chunked head counts what runs: torch's FLOP counter over a forward and
-    backward through head_token_sum, half the targets ignored, the head's recompute included."""
+    backward through head_token_sum, half the targets ignored: the tied nn.Linear head's gradients
+    taken in its forward (no recompute), and checkpointed where a hook makes the head opaque."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -119,11 +120,15 @@ def test_chunked_head_flops_match_torch_flop_counter():
     targets = torch.randint(0, 4096, (rows, seq_len))
     targets[:, ::2] = -100
     valid = int((targets != -100).sum())
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        model(inputs, head_loss=HeadLoss(targets, chunk_tokens=16)).backward()
-    flops = ModelFlops.of_gpt(model, chunked_head=True)
-    counted = flops.per_microbatch(rows, seq_len) + flops.per_valid_target() * valid
-    assert counted == pytest.approx(counter.get_total_flops(), rel=0.05)
+    for hooked in (False, True):
+        if hooked:  # a module hook, as FSDP's or ZeRO-3's on a head of its own: the chunks are checkpointed
+            model.head.register_forward_hook(lambda module, args, output: None)
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(inputs, head_loss=HeadLoss(targets, chunk_tokens=16)).backward()
+        flops = ModelFlops.of_gpt(model, chunked_head=True)
+        assert flops.head_recomputed == hooked
+        counted = flops.per_microbatch(rows, seq_len) + flops.per_valid_target() * valid
+        assert counted == pytest.approx(counter.get_total_flops(), rel=0.05)
     full = ModelFlops.of_gpt(model).per_microbatch(rows, seq_len)
     assert counted < 0.9 * full, "half the targets ignored: the head's share of the FLOPs is smaller"
 
@@ -192,9 +197,9 @@ def test_logged_flops_per_second_match_the_hand_count_for_the_default_model(tmp_
     for m in read_metrics(tmp_path):
         processed_per_second = m["tokens_per_second"] / m["padding_efficiency"]
         logged = m["flops_per_second"] / processed_per_second
-        # The chunked head (the default) runs on valid targets only, its forward twice: 8 x head per
-        # valid target in place of 6 x head per processed position.
-        hand = _hand_count_per_token(model, seq_len) - 6 * head + 8 * head * m["padding_efficiency"]
+        # The chunked head (the default) runs on valid targets only, its gradients taken in its one
+        # forward: 6 x head per valid target in place of 6 x head per processed position.
+        hand = _hand_count_per_token(model, seq_len) - 6 * head + 6 * head * m["padding_efficiency"]
         print(f"step {m['step']}: logged {logged:.4g} FLOPs/token, hand count {hand:.4g} "
               f"({logged / hand - 1:+.2%}), {m['flops_per_second']:.3g} FLOP/s")
         # Microbatches narrower than seq_len (all examples short) make the attention term smaller.
