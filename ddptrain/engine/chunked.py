@@ -134,10 +134,14 @@ def _chunk_sum(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tenso
     return checkpoint(_head_objective_sum, hidden_chunk, head, target_chunk, objective, use_reentrant=False)
 
 
-def recomputes_head(head: Head) -> bool:
+def recomputes_head(head: Head, one_value_per_row: bool = False) -> bool:
     """Whether the chunked head runs `head`'s forward twice per chunk (checkpointed) where it trains
-    or the hidden states need a gradient: not for a frozen leaf module or a plain nn.Linear, whose
-    gradients are taken in the forward (the FLOP count follows: ddptrain/train/flops.py)."""
+    or the hidden states need a gradient: not for a frozen leaf module, nor for a plain nn.Linear
+    under a token-sum objective, whose gradients are taken in the forward; `one_value_per_row`
+    (`head_row_values`: DPO, GRPO, a mixture) checkpoints every head that trains. The FLOP count
+    follows (ddptrain/train/flops.py)."""
+    if one_value_per_row:
+        return not _trains_nothing(head)
     return not (_trains_nothing(head) or _is_plain_linear(head))
 
 
@@ -259,6 +263,44 @@ def _summed(total: torch.Tensor | None, grad: torch.Tensor | None, like: torch.T
     """total + grad, in place after the first chunk (the first chunk's gradient is autograd's fresh tensor)."""
     grad = _or_zeros(grad, like)
     return grad if total is None else total.add_(grad)
+
+
+def head_row_values(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,
+                    per_row: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """per_row(head(hidden_chunk), target_chunk), one value per row (C,), each from its own row's logits
+    (a token's log-prob or loss: DPO's and GRPO's sequences, a mixture's sources), without the chunk's
+    logits kept for backward. A head with nothing to train gives each row's gradient with respect to
+    its hidden state in the forward (`_FrozenHeadRows`, no recompute); any other is checkpointed."""
+    if torch.is_grad_enabled() and hidden_chunk.requires_grad and _trains_nothing(head):
+        return _FrozenHeadRows.apply(hidden_chunk, head, target_chunk, per_row)
+    if not torch.is_grad_enabled():
+        return per_row(head(hidden_chunk), target_chunk)
+    return checkpoint(_head_rows, hidden_chunk, head, target_chunk, per_row, use_reentrant=False)
+
+
+def _head_rows(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor, per_row) -> torch.Tensor:
+    return per_row(head(hidden_chunk), target_chunk)  # (C, V) logits alive only in here
+
+
+class _FrozenHeadRows(torch.autograd.Function):
+    """`_FrozenHeadChunk` for one value per row: row i's value depends on row i's hidden state only
+    (the head maps rows to rows, which chunking already relies on), so the gradient of the values' sum
+    with respect to the hidden states holds each row's own gradient, (C, D), and backward scales row
+    i's by the incoming gradient's element i."""
+
+    @staticmethod
+    def forward(ctx, hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor, per_row) -> torch.Tensor:
+        with torch.enable_grad(), _inner_graph():
+            detached = hidden_chunk.detach().requires_grad_()
+            values = per_row(head.forward(detached), target_chunk)  # head.forward: as in _FrozenHeadChunk
+            (grad,) = torch.autograd.grad(values.sum(), detached, allow_unused=True)
+        ctx.save_for_backward(_or_zeros(grad, detached))
+        return values.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output.unsqueeze(-1).to(grad.dtype), None, None, None
 
 
 def _head_objective_sum(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ddptrain.contract.pairs import PairTargets
 from ddptrain.contract.targets import IGNORE_INDEX
-from ddptrain.engine.chunked import chunk_rows
+from ddptrain.engine.chunked import chunk_rows, head_row_values
 
 METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 """The sums `DPOObjective.pair_sums` returns after the loss, each a global mean over the step's pairs."""
@@ -153,23 +153,21 @@ def head_target_logps(hidden: torch.Tensor, head: Head, targets: torch.Tensor, c
     """(log-probs (N_valid,) of the valid targets under head(hidden) / temperature, their flat positions).
 
     hidden: (B, T, D), the last hidden states; targets (B, T), -100 where ignored. The head runs on the
-    valid targets only, chunk_tokens rows at a time, each chunk's logits recomputed in backward (as
-    ddptrain/engine/chunked.py does for token sums): no (B, T, V) tensor."""
+    valid targets only, chunk_tokens rows at a time (chunked.head_row_values: a frozen head's gradient
+    taken in the forward, any other's chunk recomputed in backward): no (B, T, V) tensor."""
     flat_targets = targets.reshape(-1)
     valid = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
     valid_hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, valid)  # (N_valid, D)
     valid_targets = flat_targets.index_select(0, valid)
     chunk_tokens = chunk_tokens or chunk_rows(getattr(head, "out_features", None))
     chunks = zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))
-    pieces = [checkpoint(_head_logps, h, head, t, temperature, use_reentrant=False) if torch.is_grad_enabled()
-              else _head_logps(h, head, t, temperature) for h, t in chunks]
+    per_row = token_logps if temperature == 1.0 else partial(_tempered_logps, temperature=temperature)
+    pieces = [head_row_values(h, head, t, per_row) for h, t in chunks]
     return (torch.cat(pieces) if pieces else valid_hidden.new_zeros(0)), valid
 
 
-def _head_logps(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,
-                temperature: float = 1.0) -> torch.Tensor:
-    logits = head(hidden_chunk)  # (C, V) logits alive only in here
-    return token_logps(logits if temperature == 1.0 else logits / temperature, target_chunk)
+def _tempered_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    return token_logps(logits / temperature, targets)
 
 
 class PairHeadLoss:

@@ -12,10 +12,9 @@ added up per source as well.
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ddptrain.contract.sourced import SourcedTargets
-from ddptrain.engine.chunked import Head, chunk_rows, valid_positions_of
+from ddptrain.engine.chunked import Head, chunk_rows, head_row_values, valid_positions_of
 from ddptrain.engine.objective import Objective
 
 
@@ -64,11 +63,7 @@ class SourcedObjective:
         valid_targets = flat_targets.index_select(0, positions)
         sources = targets.sources.reshape(-1).index_select(0, positions)
         # No valid target: one empty chunk, still through the head (its parameters get zero gradients).
-        losses = [checkpoint(_chunk_losses, chunk, head, target_chunk, self.base, use_reentrant=False)
+        losses = [head_row_values(chunk, head, target_chunk, self.base.token_losses)
                   for chunk, target_chunk in zip(valid_hidden.split(chunk_tokens), valid_targets.split(chunk_tokens))]
         return self._sums(torch.cat(losses), sources)
 
-
-def _chunk_losses(hidden_chunk: torch.Tensor, head: Head, target_chunk: torch.Tensor,
-                  objective: Objective) -> torch.Tensor:
-    return objective.token_losses(head(hidden_chunk), target_chunk)  # (C, V) logits alive only in here

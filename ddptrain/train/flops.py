@@ -195,19 +195,21 @@ class ModelFlops:
         return self._head_per_position() + (2.0 * self.head_params if self.head_recomputed else 0.0)
 
     @classmethod
-    def of_gpt(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops":
+    def of_gpt(cls, model: nn.Module, chunked_head: bool = False, one_value_per_row: bool = False) -> "ModelFlops":
         """From a ddptrain GPT: all parameters but the position embedding (tied weights once)."""
         matmul = [p for name, p in model.named_parameters() if name != "pos_emb.weight"]
         return cls(sum(p.numel() for p in matmul), model.cfg.n_layer, model.cfg.n_embd, model.head.weight.numel(),
                    chunked_head, _frozen(matmul), not model.head.weight.requires_grad,
-                   chunked_head and recomputes_head(model.head))
+                   chunked_head and recomputes_head(model.head, one_value_per_row))
 
     @classmethod
-    def of_module(cls, model: nn.Module, chunked_head: bool = False) -> "ModelFlops | None":
+    def of_module(cls, model: nn.Module, chunked_head: bool = False,
+                  one_value_per_row: bool = False) -> "ModelFlops | None":
         """The built-in GPT, or a transformers decoder (from its config; a peft model's too); None for
-        other modules. `chunked_head`: the engine runs the head on valid targets only (Engine.chunked_head)."""
+        other modules. `chunked_head`: the engine runs the head on valid targets only (Engine.chunked_head);
+        `one_value_per_row`: its objective takes each valid target's value (DPO, GRPO, a mixture), not their sum."""
         if hasattr(model, "pos_emb") and hasattr(model, "cfg"):
-            return cls.of_gpt(model, chunked_head)
+            return cls.of_gpt(model, chunked_head, one_value_per_row)
         config = getattr(model, "config", None)
         layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
         width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
@@ -225,7 +227,7 @@ class ModelFlops:
         head_frozen = output is not None and not output.weight.requires_grad
         return cls(sum(p.numel() for p in matmul), int(layers), int(width),
                    output.weight.numel() if output is not None else 0, chunked_head, _frozen(matmul), head_frozen,
-                   chunked_head and output is not None and recomputes_head(output))
+                   chunked_head and output is not None and recomputes_head(output, one_value_per_row))
 
 
 def _frozen(params: list[nn.Parameter]) -> int:

@@ -33,6 +33,7 @@ from ddptrain.data.mixture import MixturePlan
 from ddptrain.data.prefetch import Prefetcher, pin_memory_available
 from ddptrain.distributed import DistInfo
 from ddptrain.engine.equivalence import log_equivalence_caveats
+from ddptrain.engine.objective import Objective
 from ddptrain.engine.stats import StepStats
 from ddptrain.runs.fingerprint import check_fingerprint, run_fingerprint
 from ddptrain.runs.rundir import RunDir
@@ -140,8 +141,9 @@ class Trainer:
         self.evaluator = Evaluator.from_config(self.built.data.val, cfg, self.dist, self.engine,
                                                self.built.reference) if self.built.rl is None else None
         peak_flops = device_peak_flops(self.dist.device, cfg.trainer.precision, cfg.logger.peak_flops)
-        window = ThroughputWindow(ModelFlops.of_module(self.built.model, self.engine.chunked_head), peak_flops,
-                                  self.dist.world_size)
+        flops = ModelFlops.of_module(self.built.model, self.engine.chunked_head,
+                                     one_value_per_row=not isinstance(self.engine.objective, Objective))
+        window = ThroughputWindow(flops, peak_flops, self.dist.world_size)
         self.metrics = MetricsLogger.from_config(cfg, window, run_id=saved.get("wandb_run_id"),
                                                  resume_step=self.step if saved else None)
         self.preemption = PreemptionWatcher(list(cfg.checkpoint.preempt_signals), self.dist.device,

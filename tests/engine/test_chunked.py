@@ -15,7 +15,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from ddptrain.contract.targets import IGNORE_INDEX
-from ddptrain.engine.chunked import head_token_sum
+from ddptrain.engine.chunked import head_token_sum, recomputes_head
 from ddptrain.engine.objective import Objective
 from tests.helpers import relative_difference, requires
 
@@ -161,6 +161,36 @@ def test_the_head_runs_one_forward_per_chunk_unless_it_is_not_a_plain_module(hea
     with FlopCounterMode(display=False) as counter:
         head_token_sum(hidden, head, targets, OBJECTIVES["both"], 4).backward()
     assert counter.get_total_flops() == matmuls * 2 * 14 * WIDTH * VOCAB
+    assert recomputes_head(head) == (matmuls == 4)  # what the FLOP count (ModelFlops) is told
+
+
+@pytest.mark.parametrize("per_row", ["log_probs", "tempered", "losses"])
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_one_value_per_row_gives_the_full_logits_values_and_gradients_in_fp64(per_row, trainable):
+    """head_row_values (DPO's and GRPO's token log-probs, a mixture's token losses): the values and,
+    under an uneven incoming gradient (a weight per row, as sequence sums and pair losses give), the
+    hidden states' and head's gradients of the full logits, 1e-9; a frozen head in 2 matmuls per row
+    (no recompute), a trainable one checkpointed (4)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddptrain.engine.chunked import head_row_values
+    from ddptrain.engine.preference import token_logps
+
+    function = {"log_probs": token_logps, "tempered": lambda logits, t: token_logps(logits / 0.7, t),
+                "losses": OBJECTIVES["both"].token_losses}[per_row]
+    hidden, head, targets = _case("all", seed=9)
+    head.requires_grad_(trainable)
+    rows, flat_targets = hidden.reshape(-1, WIDTH), targets.reshape(-1)
+    weights = torch.randn(rows.size(0), generator=torch.Generator().manual_seed(3), dtype=rows.dtype)
+    tensors = {"hidden": hidden, **({"weight": head.weight, "bias": head.bias} if trainable else {})}
+    with FlopCounterMode(display=False) as counter:
+        chunked = _loss_and_grads(lambda: torch.stack([
+            head_row_values(h, head, t, function) @ w
+            for h, t, w in zip(rows.split(7), flat_targets.split(7), weights.split(7))]).sum(), tensors)
+    full = _loss_and_grads(lambda: function(head(rows), flat_targets) @ weights, tensors)
+    assert relative_difference(chunked, full) < 1e-9
+    assert counter.get_total_flops() == (4 if trainable else 2) * 2 * rows.size(0) * WIDTH * VOCAB
+    assert recomputes_head(head, one_value_per_row=True) == trainable
 
 
 # -- within rounding in fp32 and bf16 --------------------------------------------------------------
