@@ -188,4 +188,18 @@ def run_chat_ddptrain(args, model_dir: Path, run_dir: Path, overrides: list[str]
            "optim.schedule=constant", "optim.warmup_steps=0", f"trainer.grad_clip={GRAD_CLIP}",
            "trainer.precision=fp32", f"run.seed={SEED}", f"run.dir={run_dir}", "logger.progress=lines"]
     execute(cmd, args)
+    print(f"  {run_dir.name}: {step_phases(run_dir, args.log_every)}", flush=True)
     return windowed_rates(run_dir, args.log_every)
+
+
+def step_phases(run_dir: Path, log_every: int) -> str:
+    """Where rank 0's timed steps went, in seconds per step (the mean of the windows after the first):
+    forward + backward (DDP's gradient all-reduce runs in the last microbatch's backward) and the
+    optimizer (clipping included)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed = [r for r in records if r["step"] > log_every and "forward_backward_s" in r]
+    if not timed:
+        return "no timed step"
+    mean = {key: sum(r[key] for r in timed) / len(timed) for key in ("step_time_s", "forward_backward_s", "optimizer_s")}
+    return (f"step {mean['step_time_s']:.2f} s: forward+backward {mean['forward_backward_s']:.2f}, optimizer "
+            f"{mean['optimizer_s']:.2f} (mean of {len(timed)} windows)")
