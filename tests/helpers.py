@@ -17,7 +17,7 @@ import torch
 
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.contract.targets import IGNORE_INDEX
-from tests.zygote import launch_command
+from tests.zygote import launch_command, torchrun_prefix
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 32
@@ -54,10 +54,7 @@ def python_command(argv: list[str], nproc: int = 1, torchrun_args: tuple | list 
     up (tests/zygote.py), else started plainly."""
     if nproc == 1 and not torchrun_args:
         return launch_command(argv)
-    worker = launch_command(["-u", *argv])  # torchrun's own `-m` starts `python -u -m MODULE`
-    script = ["--no-python", *worker] if worker[1:2] == ["-S"] else worker[2:]
-    return launch_command(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           *torchrun_args, *script])
+    return [*torchrun_prefix(nproc, torchrun_args), *argv]
 
 
 def run_cli(args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: float = 300,

@@ -1,21 +1,22 @@
-"""The benchmarks in benchmarks/ still run (tiny sizes): they print figures, the tests check only the shape."""
+"""The benchmarks in benchmarks/ still run (tiny sizes): they print figures, the tests check only the shape. Each
+benchmark and its `python -m` workers and torchrun launches are forked from the tests' fork server (tests/zygote.py)."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
 from tests.helpers import REPO, import_deepspeed, import_optional
+from tests.zygote import launch_command
 
 pytestmark = pytest.mark.slow
 
 
 def _run(module: str, *args: str, env: dict[str, str] | None = None) -> str:
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([*launch_command(["-m", module]), *args], cwd=REPO, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                                               **(env or {})})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
