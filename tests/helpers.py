@@ -66,6 +66,16 @@ def run_cli(args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: f
     return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_benchmark(module: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """`python -m MODULE ARGS` of a benchmark (benchmarks/), forked from the tests' fork server where one is
+    up, as are its own `python -m` and torchrun launches (they read DDPTRAIN_TEST_ZYGOTE); its stdout."""
+    result = subprocess.run([*launch_command(["-m", module]), *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                                              **(env or {})})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
 def finished_run(tmp_path_factory, name: str, args: list[str], nproc: int = 1) -> Path:
     """A run trained to its end in a new temporary directory: for module fixtures, whose tests
     read it or change a copy of it."""

@@ -37,7 +37,7 @@ import sys
 
 ENV_VAR = "DDPTRAIN_TEST_ZYGOTE"
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-           "torch.distributed.tensor", "torch.optim", "numpy")
+           "torch.distributed.tensor", "torch.optim", "numpy", "hydra", "hydra.utils", "omegaconf", "yaml")
 """What `python -m ddptrain` imports anyway before its first step (not a module that a launch runs: runpy warns)."""
 FROZEN_PREFIXES = ("PYTHON", "TORCH_LOGS", "TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_COMPILE", "PYTORCH", "HF_",
                    "TRANSFORMERS", "CUDA_", "OMP_", "KMP_", "MKL_", "OPENBLAS", "LD_", "GOMP", "TOKENIZERS")
