@@ -78,7 +78,13 @@ def worker(args) -> None:
 
 def run_worker(cmd: list[str], threads: int = 1) -> None:
     """Runs a benchmark's worker command in a fresh process (`threads` torch threads, offline, this
-    checkout first on the path) and prints what it printed; its stderr's tail if it fails."""
+    checkout first on the path) and prints what it printed; its stderr's tail if it fails. Under the
+    tests (DDPTRAIN_TEST_ZYGOTE names their fork server, tests/zygote.py) a `python -m` worker is forked
+    from that server, torch already imported: the tests check the report's shape."""
+    if os.environ.get("DDPTRAIN_TEST_ZYGOTE") and cmd[:1] == [sys.executable]:
+        from tests.zygote import launch_command
+
+        cmd = launch_command(cmd[1:])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.getcwd()}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

@@ -86,6 +86,13 @@ def windowed_rates(run_dir: Path, log_every: int) -> tuple[float, float]:
 
 
 def torchrun(args) -> list[str]:
+    """torchrun of args.world_size ranks on this machine, to be followed by `-m MODULE ARGS` or a script.
+    Under the tests (DDPTRAIN_TEST_ZYGOTE names their fork server, tests/zygote.py) the launcher and its
+    `-m` workers are forked from that server, torch already imported: the tests check the report's shape."""
+    if os.environ.get("DDPTRAIN_TEST_ZYGOTE"):
+        from tests.zygote import torchrun_prefix
+
+        return torchrun_prefix(args.world_size)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}"]
 
 

@@ -97,3 +97,21 @@ def _fork_server():
     except subprocess.TimeoutExpired:
         server.kill()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+LONGEST_FIRST = ("tests/models/test_real_model.py", "tests/train/test_dpo.py", "tests/test_benchmarks_peer.py",
+                 "tests/test_benchmarks.py", "tests/test_readme.py", "tests/system/test_slurm.py",
+                 "tests/serving/test_serve.py", "tests/models/test_lora.py", "tests/strategies/test_strategies.py",
+                 "tests/runs/test_checkpoint.py", "tests/train/test_tasks.py", "tests/data/test_sft.py",
+                 "tests/models/test_models.py", "tests/strategies/test_zero.py", "tests/rl/test_grpo.py",
+                 "tests/train/test_mixture_cli.py", "tests/runs/test_rundir.py", "tests/models/test_attention.py",
+                 "tests/data/test_sharded_build.py", "tests/train/test_cli.py", "tests/train/test_observability.py")
+"""The test files that take longest, longest first (one full run's per-file totals on 2 CPU cores):
+pytest-xdist hands out a file at a time in collection order, so these start first and the two
+workers end on short files, together, instead of one waiting on the other's last long file. A stale
+order costs only time; files not named follow in their collection order."""
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))  # stable: a file's tests keep their order

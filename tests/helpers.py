@@ -17,7 +17,7 @@ import torch
 
 from ddptrain.models import GPT, GPTConfig
 from ddptrain.contract.targets import IGNORE_INDEX
-from tests.zygote import launch_command
+from tests.zygote import launch_command, torchrun_prefix
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 32
@@ -54,10 +54,7 @@ def python_command(argv: list[str], nproc: int = 1, torchrun_args: tuple | list 
     up (tests/zygote.py), else started plainly."""
     if nproc == 1 and not torchrun_args:
         return launch_command(argv)
-    worker = launch_command(["-u", *argv])  # torchrun's own `-m` starts `python -u -m MODULE`
-    script = ["--no-python", *worker] if worker[1:2] == ["-S"] else worker[2:]
-    return launch_command(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           *torchrun_args, *script])
+    return [*torchrun_prefix(nproc, torchrun_args), *argv]
 
 
 def run_cli(args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: float = 300,
@@ -67,6 +64,16 @@ def run_cli(args: list[str], nproc: int = 1, cwd: Path | None = None, timeout: f
     cmd = python_command(["-m", "ddptrain", *args], nproc=nproc)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_benchmark(module: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """`python -m MODULE ARGS` of a benchmark (benchmarks/), forked from the tests' fork server where one is
+    up, as are its own `python -m` and torchrun launches (they read DDPTRAIN_TEST_ZYGOTE); its stdout."""
+    result = subprocess.run([*launch_command(["-m", module]), *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                                              **(env or {})})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
 
 
 def finished_run(tmp_path_factory, name: str, args: list[str], nproc: int = 1) -> Path:

@@ -92,15 +92,15 @@ COMMANDS = {
         "test_lora_memory_benchmark_prints_each_layouts_peak_and_live_memory_per_step runs the benchmark",
     "python -m benchmarks.bench_peer --mode dpo --real --finetune lora --contenders ddptrain-default,ddptrain-pack,trl "
     "--rounds 1 --steps 3 --log-every 1 --pairs 200 --global-batch 16 --micro 2 --seq-len 256":
-        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "not run: minutes on the real model; tests/test_benchmarks_peer.py::"
         "test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl runs it at a small size",
     "python -m benchmarks.bench_peer --mode dpo --real --finetune lora,full --contenders ddptrain-default,trl "
     "--rounds 1 --steps 3 --log-every 1 --pairs 200 --global-batch 16 --micro 2 --seq-len 256":
-        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "not run: minutes on the real model; tests/test_benchmarks_peer.py::"
         "test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl runs it at a small size",
     "python -m benchmarks.bench_peer --mode grpo --real --finetune lora,full --rounds 1 --steps 3 "
     "--prompts-per-step 4 --group-size 4 --max-new-tokens 16":
-        "not run: minutes on the real model; tests/test_benchmarks.py::"
+        "not run: minutes on the real model; tests/test_benchmarks_peer.py::"
         "test_peer_benchmark_grpo_mode_prints_seconds_per_step_and_peak_memory_beside_trl runs it on a tiny Llama",
     "python -m benchmarks.bench_mixture":
         "tests/test_benchmarks.py::test_mixture_benchmark_prints_the_bookkeeping_beside_the_step",
@@ -126,32 +126,32 @@ COMMANDS = {
     "python -m benchmarks.bench_checkpoint --mb 200 --rounds 3":
         "tests/test_benchmarks.py::test_checkpoint_benchmark_prints_the_stall_with_and_without_async_save",
     "python -m benchmarks.bench_peer --seq-len 1024":
-        "not run: 12 two-rank training runs (half an hour); tests/test_benchmarks.py runs its --mode sft and step",
+        "not run: 12 two-rank training runs (half an hour); tests/test_benchmarks_peer.py runs its --mode sft and step",
     "python -m benchmarks.bench_peer --seq-len 256":
-        "not run: 12 two-rank training runs (ten minutes); tests/test_benchmarks.py runs its --mode sft and step",
+        "not run: 12 two-rank training runs (ten minutes); tests/test_benchmarks_peer.py runs its --mode sft and step",
     "python -m benchmarks.bench_peer --seq-len 1024 --contenders ddptrain-pack,ddptrain-pack+compile,hf-group,"
     "hf-group+compile,hf":
-        "tests/test_benchmarks.py::test_peer_benchmark_compiles_the_contenders_named_with_plus_compile (tiny sizes)",
+        "tests/test_benchmarks_peer.py::test_peer_benchmark_compiles_the_contenders_named_with_plus_compile (tiny sizes)",
     "python -m benchmarks.bench_peer --seq-len 256 --contenders ddptrain-pack,ddptrain-pack+compile,hf-group,"
     "hf-group+compile,hf":
-        "tests/test_benchmarks.py::test_peer_benchmark_compiles_the_contenders_named_with_plus_compile (tiny sizes)",
+        "tests/test_benchmarks_peer.py::test_peer_benchmark_compiles_the_contenders_named_with_plus_compile (tiny sizes)",
     "python -m benchmarks.bench_peer --mode sft --real --rounds 1 --steps 4 --log-every 1 --chats 2000 "
     "--global-batch 32 --micro 4 --seq-len 256":
-        "tests/test_benchmarks.py::test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl",
+        "tests/test_benchmarks_peer.py::test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl",
     "python -m benchmarks.bench_peer --mode dpo --rounds 2 --steps 6 --log-every 2 --seq-len 256 --global-batch 16 "
     "--micro 2 --pairs 200 --words 800 --vocab 1024 --width 128 --layers 2 --heads 4":
-        "tests/test_benchmarks.py::test_peer_benchmark_dpo_mode_prints_pairs_per_second_and_peak_memory_beside_trl "
+        "tests/test_benchmarks_peer.py::test_peer_benchmark_dpo_mode_prints_pairs_per_second_and_peak_memory_beside_trl "
         "(tiny sizes)",
     "python -m benchmarks.bench_memory_real --shapes 4x1024 --vocabularies smollm2":
         "tests/test_benchmarks.py::test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop (1 x 128)",
     "python -m benchmarks.bench_memory_real --shapes 1x1024 --vocabularies smollm2,qwen":
         "tests/test_benchmarks.py::test_real_memory_benchmark_prints_ddptrain_beside_a_bare_loop (1 x 128)",
     "python -m benchmarks.bench_peer --mode step --seq-len 1024":
-        "tests/test_benchmarks.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
+        "tests/test_benchmarks_peer.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
     "python -m benchmarks.bench_peer --mode step --seq-len 256":
-        "tests/test_benchmarks.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
+        "tests/test_benchmarks_peer.py::test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_one_process",
     "python -m benchmarks.bench_peer --mode sft --rounds 3":
-        "tests/test_benchmarks.py::test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl",
+        "tests/test_benchmarks_peer.py::test_peer_benchmark_sft_mode_compares_ddptrain_layouts_with_trl",
     "pip install 'ddptrain[plot]'": "not run: installs a package (the test extra includes matplotlib)",
     "python -m ddptrain.plot runs/a runs/b -o loss.png --labels A B":
         "tests/train/test_observability.py::test_plot_command_draws_one_line_per_run",

@@ -17,6 +17,7 @@ from tests import zygote
 PROBE = """
 import json, os, sys
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "mark": os.environ.get("MARK"), "ppid": os.getppid(),
+                  "hf": [os.environ.get(key) for key in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")],
                   "torch_preloaded": "torch" in sys.modules, "path0": sys.path[0], "name": __name__,
                   "stdin": sys.stdin.read()}))
 sys.stderr.write("to stderr\\n")
@@ -79,6 +80,16 @@ def test_a_launch_whose_environment_differs_where_imports_read_it_runs_plainly(s
     assert result.returncode == 0, result.stderr
     report = _report(result)
     assert not report["torch_preloaded"] and report["ppid"] == os.getpid()
+
+
+def test_a_launch_with_its_own_hugging_face_variables_is_forked_and_sees_them(server):
+    """The server imports no Hugging Face library, so HF_* and TOKENIZERS_* (which the benchmarks set for
+    their workers) are read only by the launch's own imports: it is forked, with its values."""
+    result = _launch(server, env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert result.returncode == 0, result.stderr
+    report = _report(result)
+    assert report["torch_preloaded"] and report["hf"] == ["1", "false"]
+    assert _report(_launch(server))["hf"] == [os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TOKENIZERS_PARALLELISM")]
 
 
 def test_a_signal_to_the_client_reaches_the_forked_process(server):

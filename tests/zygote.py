@@ -16,9 +16,10 @@ the kernel for a worker that torchrun started itself). What a forked process sha
 is only what importing those modules did, which `python -m` would have done the same.
 
 A launch whose environment would have changed what those imports did (PYTHON*, TORCHDYNAMO*,
-TORCHINDUCTOR*, HF_*, CUDA_* and the thread-count variables other than OMP_NUM_THREADS, which the
+TORCHINDUCTOR*, CUDA_* and the thread-count variables other than OMP_NUM_THREADS, which the
 child applies) becomes a plain `python -m` instead (the client execs it), as does every launch when
-no server is up.
+no server is up. HF_*, TRANSFORMERS* and TOKENIZERS* are the launch's own: the server imports no
+Hugging Face library (were one imported, they would be compared too).
 
     python tests/zygote.py serve SOCKET     the server (tests/conftest.py starts one per test process)
     python -S tests/zygote.py -m MODULE ... a launch through the server named by DDPTRAIN_TEST_ZYGOTE
@@ -36,7 +37,7 @@ import sys
 
 ENV_VAR = "DDPTRAIN_TEST_ZYGOTE"
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-           "torch.distributed.tensor", "torch.optim", "numpy")
+           "torch.distributed.tensor", "torch.optim", "numpy", "hydra", "hydra.utils", "omegaconf", "yaml")
 """What `python -m ddptrain` imports anyway before its first step (not a module that a launch runs: runpy warns)."""
 FROZEN_PREFIXES = ("PYTHON", "TORCH_LOGS", "TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_COMPILE", "PYTORCH", "HF_",
                    "TRANSFORMERS", "CUDA_", "OMP_", "KMP_", "MKL_", "OPENBLAS", "LD_", "GOMP", "TOKENIZERS")
@@ -45,11 +46,24 @@ FROZEN_PREFIXES = ("PYTHON", "TORCH_LOGS", "TORCHDYNAMO", "TORCHINDUCTOR", "TORC
 APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"}
 """Those of them that the child applies itself (sys.path, unbuffered stdio, torch's thread count) or
 that are read later (inductor's cache, which torchrun sets for each worker)."""
+HF_PREFIXES = ("HF_", "TRANSFORMERS", "TOKENIZERS")
+HF_LIBRARIES = {"huggingface_hub", "transformers", "tokenizers", "datasets", "safetensors", "accelerate", "peft", "trl"}
+"""Variables that only the Hugging Face libraries read (torch and numpy read none of them), and those
+libraries: while the server has imported none of them, a launch's own HF_HUB_OFFLINE,
+TOKENIZERS_PARALLELISM and the rest are read later, by the launched module's imports, from the
+environment the child is given (the benchmarks set them for their workers)."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def frozen(env: dict) -> dict:
-    return {key: value for key, value in env.items() if key.startswith(FROZEN_PREFIXES) and key not in APPLIED}
+def frozen(env: dict, read_later: tuple[str, ...] = ()) -> dict:
+    """The variables of `env` that a launch must share with the server (`read_later`: prefixes that it need not)."""
+    return {key: value for key, value in env.items()
+            if key.startswith(FROZEN_PREFIXES) and key not in APPLIED and not key.startswith(read_later)}
+
+
+def read_later() -> tuple[str, ...]:
+    """HF_PREFIXES while no Hugging Face library is imported in this process, else none."""
+    return () if any(name.partition(".")[0] in HF_LIBRARIES for name in sys.modules) else HF_PREFIXES
 
 
 def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
@@ -154,6 +168,8 @@ def serve(path: str) -> None:
     gc.freeze()  # the children share these pages instead of copying them when the collector touches them
     base_path = [entry for entry in sys.path[1:] if entry not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     set_by_imports = {key: value for key, value in frozen(dict(os.environ)).items() if key not in server_frozen}
+    later = read_later()
+    server_frozen = frozen(server_frozen, later)
 
     wakeup_read, wakeup_write = os.pipe()
     os.set_blocking(wakeup_write, False)
@@ -179,7 +195,7 @@ def serve(path: str) -> None:
                     if request is None:
                         conn.close()
                         continue
-                    if frozen(request["env"]) != server_frozen or _module_argv(request["argv"]) is None:
+                    if frozen(request["env"], later) != server_frozen or _module_argv(request["argv"]) is None:
                         for fd in fds:
                             os.close(fd)
                         _send(conn, {"refused": True})
@@ -313,10 +329,23 @@ def _finish(code: int) -> None:
 def launch_command(argv: list[str]) -> list[str]:
     """The command that runs `python ARGV` (ARGV: `[-u] -m MODULE ARGS`): through the fork server
     where one is up, else plainly."""
-    path = os.environ.get(ENV_VAR)
-    if path and os.path.exists(path) and _module_argv(argv) is not None:
+    if _server_up() and _module_argv(argv) is not None:
         return [sys.executable, "-S", os.path.abspath(__file__), *argv]
     return [sys.executable, *argv]
+
+
+def _server_up() -> bool:
+    path = os.environ.get(ENV_VAR)
+    return bool(path) and os.path.exists(path)
+
+
+def torchrun_prefix(nproc: int, torchrun_args: tuple | list = ()) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=NPROC TORCHRUN_ARGS`, to be followed by `-m MODULE ARGS` (or a
+    script): the launcher and each worker forked from the fork server where one is up, else plainly."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
+    if _server_up():  # torchrun's own `-m` starts `python -u -m MODULE`
+        launcher += ["--no-python", sys.executable, "-S", os.path.abspath(__file__), "-u"]
+    return launch_command(launcher)
 
 
 if __name__ == "__main__":
