@@ -61,8 +61,11 @@ def test_every_strategy_resumes_what_every_strategy_saved_on_any_world_size(tmp_
     import_deepspeed()
     strategies = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
     after = run_distributed(_save_then_step, 2, strategies, str(tmp_path))[0]
+    # fp32 rounding only: ZeRO-3's hooks keep the head's chunks checkpointed where the others take the
+    # head's gradients in its forward (ddptrain/engine/chunked.py), the same sums in another order
+    tolerance = 1e-5
     for source in strategies:  # the saving runs agree with each other: one objective
-        assert relative_difference(after[source], after["ddp"]) < 2e-6, source
+        assert relative_difference(after[source], after["ddp"]) < tolerance, source
         saved = neutral.read_full(tmp_path / source, collective=False)
         assert set(saved["optimizer"]["state"]) == {name for name, _ in tiny_gpt().named_parameters()}, source
         assert {"step", "exp_avg", "exp_avg_sq"} == set(saved["optimizer"]["state"]["tok_emb.weight"]), source
@@ -70,7 +73,7 @@ def test_every_strategy_resumes_what_every_strategy_saved_on_any_world_size(tmp_
         loaded = run_distributed(_load_then_step, world, strategies, strategies, str(tmp_path))[0]
         for (target, source), weights in loaded.items():
             difference = relative_difference(weights, after[source])
-            assert difference < 2e-6, f"{source} on 2 ranks -> {target} on {world}: {difference:.2e}"
+            assert difference < tolerance, f"{source} on 2 ranks -> {target} on {world}: {difference:.2e}"
 
 
 def _fresh_optimizer_state(root: str) -> dict:
