@@ -138,6 +138,10 @@ COMMANDS = {
     "python -m benchmarks.bench_peer --mode sft --real --rounds 1 --steps 4 --log-every 1 --chats 2000 "
     "--global-batch 32 --micro 4 --seq-len 256":
         "tests/test_benchmarks_peer.py::test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl",
+    "python -m benchmarks.bench_peer --mode sft --real --finetune full --rounds 2 --steps 5 --log-every 1 "
+    "--chats 2000 --global-batch 32 --micro 4 --seq-len 256 --contenders ddptrain-default,trl":
+        "tests/test_benchmarks_peer.py::test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl "
+        "(smaller)",
     "python -m benchmarks.bench_peer --mode dpo --rounds 2 --steps 6 --log-every 2 --seq-len 256 --global-batch 16 "
     "--micro 2 --pairs 200 --words 800 --vocab 1024 --width 128 --layers 2 --heads 4":
         "tests/test_benchmarks_peer.py::test_peer_benchmark_dpo_mode_prints_pairs_per_second_and_peak_memory_beside_trl "
