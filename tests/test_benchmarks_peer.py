@@ -113,40 +113,35 @@ def test_peer_benchmark_step_mode_times_packed_rows_beside_group_by_length_in_on
     assert float(line.split()[-1]) == pytest.approx(efficiency["engine-pack"] / efficiency["hand-group"], abs=0.006)
 
 
-def test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl():
+def _real_peer(mode: str, contenders: tuple[str, str], examples: tuple[str, str]) -> tuple[str, list[str], dict]:
+    """bench_peer's --real `mode` on one rank at tiny sizes (skips, saying what is missing, without the
+    real model, WordNet or TRL): (output, its lines, the report's rows by contender); each contender's
+    rate, peak, ratios and per-round ratio are checked here."""
     from tests.real_model import smollm2_dir
     from tests.real_text import wordnet_glosses
 
     import_optional("trl")
     smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
-    out = _run("benchmarks.bench_peer", "--mode", "sft", "--real", "--contenders", "ddptrain-default,trl",
-               "--finetune", "lora", "--rounds", "1", "--steps", "2", "--log-every", "1", "--chats", "40",
+    out = _run("benchmarks.bench_peer", "--mode", mode, "--real", "--contenders", ",".join(contenders),
+               "--finetune", "lora", "--rounds", "1", "--steps", "2", "--log-every", "1", *examples,
                "--global-batch", "2", "--micro", "1", "--seq-len", "128", "--world-size", "1")
     lines = out.splitlines()
-    assert lines[0].startswith("benchmarks.bench_peer --mode sft --real: SmolLM2-135M-Instruct"), out
-    assert re.fullmatch(r"trl-pack keeps documents apart: (yes|NO) \(.*\)", lines[1]), out
-    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2:]}
-    for name in ("ddptrain-default", "trl"):
+    assert lines[0].startswith(f"benchmarks.bench_peer --mode {mode} --real: SmolLM2-135M-Instruct"), out
+    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2:] if line.strip()}
+    for name in contenders:
         rate, peak, ratio, peak_ratio, per_round = (float(value.replace(",", "")) for value in rows[name])
         assert rate > 0 and peak > 100 and ratio == per_round > 0 and peak_ratio > 0, out
+    return out, lines, rows
+
+
+def test_peer_benchmark_sft_real_mode_prints_rates_and_peak_memory_beside_trl():
+    out, lines, rows = _real_peer("sft", ("ddptrain-default", "trl"), ("--chats", "40"))
+    assert re.fullmatch(r"trl-pack keeps documents apart: (yes|NO) \(.*\)", lines[1]), out
     assert [float(value) for value in rows["trl"][2:4]] == [1.0, 1.0], out
 
 
 def test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl():
-    from tests.real_model import smollm2_dir
-    from tests.real_text import wordnet_glosses
-
-    import_optional("trl")
-    smollm2_dir(), wordnet_glosses()  # or skip, saying what is missing
-    out = _run("benchmarks.bench_peer", "--mode", "dpo", "--real", "--contenders", "ddptrain-pack,trl",
-               "--finetune", "lora", "--rounds", "1", "--steps", "2", "--log-every", "1", "--pairs", "24",
-               "--global-batch", "2", "--micro", "1", "--seq-len", "128", "--world-size", "1")
-    lines = out.splitlines()
-    assert lines[0].startswith("benchmarks.bench_peer --mode dpo --real: SmolLM2-135M-Instruct"), out
-    rows = {line.split()[0]: line.split()[1:] for line in lines[lines.index("") + 2:] if line.strip()}
-    for name in ("ddptrain-pack", "trl"):
-        rate, peak, ratio, peak_ratio, per_round = (float(value.replace(",", "")) for value in rows[name])
-        assert rate > 0 and peak > 100 and ratio == per_round > 0 and peak_ratio > 0, out
+    _real_peer("dpo", ("ddptrain-pack", "trl"), ("--pairs", "24"))
 
 
 def test_peer_benchmark_grpo_mode_prints_seconds_per_step_and_peak_memory_beside_trl():
