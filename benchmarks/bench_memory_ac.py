@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -60,7 +59,9 @@ def _build(kind: str, n_layer: int, n_embd: int, seq_len: int, vocab: int, direc
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    from ddptrain.train.metrics import peak_memory_bytes
+
+    return peak_memory_bytes(torch.device("cpu"))  # VmHWM: this process's own, not its launcher's
 
 
 def _profiled_peak_bytes(step) -> int:

@@ -16,7 +16,8 @@ Contenders, each step in a fresh process (a process's peak is its own), fp32, Ad
 - transformers: `model(ids, labels=ids).loss.backward()`, `AdamW.step()`, `zero_grad()` on random
   (B, T) ids, the loop a user writes first.
 
-The figure: peak resident set size (ru_maxrss) less the process's resident set just before the
+The figure: peak resident set size (VmHWM: this process's own, where ru_maxrss would keep its
+launcher's) less the process's resident set just before the
 model is built (after imports, and ddptrain's data), so what the interpreter, torch and the data
 hold counts on neither side. A figure, not a test.
 """
@@ -27,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -45,7 +45,11 @@ def resident_bytes() -> int:
 
 
 def peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    import torch
+
+    from ddptrain.train.metrics import peak_memory_bytes
+
+    return peak_memory_bytes(torch.device("cpu"))  # VmHWM
 
 
 # -- one contender in its own process -------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import resource
 from pathlib import Path
 
 
@@ -59,9 +58,11 @@ def model_tokenizer_and_lora(args):
 
 def finish(args, counts: dict[str, dict[int, int]], step_ends: dict[int, float], dataset: dict) -> None:
     """Rank 0 writes OUT/result.json: each of `counts` (per step, this rank's) summed over the timed steps
-    and the ranks, the timed seconds, `dataset` and rank 0's peak RSS; then the process group ends."""
+    and the ranks, the timed seconds, `dataset` and rank 0's peak RSS (VmHWM); then the process group ends."""
     import torch
     import torch.distributed as dist
+
+    from ddptrain.train.metrics import peak_memory_bytes
 
     timed = range(args.timed_from + 1, args.steps + 1)
     totals = torch.tensor([sum(per_step.get(s, 0) for s in timed) for per_step in counts.values()])
@@ -71,7 +72,7 @@ def finish(args, counts: dict[str, dict[int, int]], step_ends: dict[int, float],
     if not distributed or dist.get_rank() == 0:
         result = {**dict(zip(counts, map(int, totals))), **dataset,
                   "seconds": step_ends[args.steps] - step_ends[args.timed_from],
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+                  "peak_rss_bytes": peak_memory_bytes(torch.device("cpu"))}  # VmHWM, as ddptrain's runs read theirs
         Path(args.out, "result.json").write_text(json.dumps(result))
     # A DDP module still alive when the process exits with its group sometimes aborts it ("terminate
     # called without an active exception"; see ddptrain/__main__.py): the caller freed its trainer.

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
+
+# Nothing in the tests reaches the hub, and the benchmarks set these for their workers: with the whole
+# session's the same (set here, before any test module imports transformers), the benchmarks' launches
+# fork from the fork server too, which imports transformers (tests/zygote.py).
+os.environ.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +32,6 @@ def _no_process_group_or_environment_left_behind():
     sets MASTER_ADDR and the rest in os.environ) would leave later tests in a world that
     `ddptrain.is_distributed()` sees. Each test gets the environment back as it found it, and a
     default group it created is destroyed."""
-    import os
 
     import torch.distributed as dist
 
@@ -70,7 +75,6 @@ def _cudnn_attention_as_it_was():
 def _fork_server():
     """One fork server per test process (tests/zygote.py), for run_cli's launches: started here
     without waiting for it, so that launches before it is up run plainly."""
-    import os
     import shutil
     import subprocess
     import sys

@@ -18,6 +18,7 @@ PROBE = """
 import json, os, sys
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "mark": os.environ.get("MARK"), "ppid": os.getppid(),
                   "hf": [os.environ.get(key) for key in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")],
+                  "datasets_cache": os.environ.get("HF_DATASETS_CACHE"),
                   "torch_preloaded": "torch" in sys.modules, "path0": sys.path[0], "name": __name__,
                   "stdin": sys.stdin.read()}))
 sys.stderr.write("to stderr\\n")
@@ -75,21 +76,41 @@ def test_the_exit_code_and_a_death_by_signal_come_back_to_the_client(server):
     assert _launch(server, env={"EXIT": "signal"}).returncode == -signal.SIGTERM
 
 
-def test_a_launch_whose_environment_differs_where_imports_read_it_runs_plainly(server):
-    result = _launch(server, env={"TORCHDYNAMO_VERBOSE": "1"})
+@pytest.mark.parametrize("variable", ["TORCHDYNAMO_VERBOSE", "DS_ACCELERATOR"])  # torch's, DeepSpeed's (preloaded)
+def test_a_launch_whose_environment_differs_where_imports_read_it_runs_plainly(server, variable):
+    result = _launch(server, env={variable: "cpu"})
     assert result.returncode == 0, result.stderr
     report = _report(result)
     assert not report["torch_preloaded"] and report["ppid"] == os.getpid()
 
 
-def test_a_launch_with_its_own_hugging_face_variables_is_forked_and_sees_them(server):
-    """The server imports no Hugging Face library, so HF_* and TOKENIZERS_* (which the benchmarks set for
-    their workers) are read only by the launch's own imports: it is forked, with its values."""
-    result = _launch(server, env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    assert result.returncode == 0, result.stderr
-    report = _report(result)
-    assert report["torch_preloaded"] and report["hf"] == ["1", "false"]
-    assert _report(_launch(server))["hf"] == [os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TOKENIZERS_PARALLELISM")]
+def test_hugging_face_variables_are_compared_but_datasets_own_are_the_launchs(server):
+    """The server imports transformers (tests/zygote.py's PRELOAD), which reads HF_HUB_OFFLINE and the
+    rest at import: a launch with other values runs plainly. It does not import `datasets`, the only
+    reader of HF_DATASETS_* (the benchmarks give TRL's workers a cache of their own): that launch is
+    forked, with its value."""
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # the session's (tests/conftest.py), the server's too
+    other = _report(_launch(server, env={"HF_HUB_OFFLINE": "0"}))
+    assert not other["torch_preloaded"] and other["hf"][0] == "0"
+    own = _report(_launch(server, env={"HF_DATASETS_CACHE": "/tmp/own-datasets"}))
+    assert own["torch_preloaded"] and own["datasets_cache"] == "/tmp/own-datasets"
+    assert _report(_launch(server))["hf"] == ["1", "false"]
+
+
+def test_torchruns_workers_are_forked_too_with_what_the_servers_imports_set_in_their_environment(server):
+    """torchrun, forked, passes its environment on to its workers, with what the server's imports set
+    (DeepSpeed's sets PYTORCH_NVML_BASED_CUDA_CHECK): they match the server and are forked too."""
+    process, path, folder = server
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", zygote.ENV_VAR: path,
+           "PYTHONPATH": str(folder)}
+    command = [sys.executable, "-S", zygote.__file__, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "--no-python", sys.executable, "-S", zygote.__file__, "-u", "-m", "zprobe"]
+    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2 and all(report["torch_preloaded"] for report in reports), reports
 
 
 def test_a_signal_to_the_client_reaches_the_forked_process(server):

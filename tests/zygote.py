@@ -2,8 +2,9 @@
 torch afresh.
 
 A short test run is mostly process start-up: `python -m ddptrain` spends about 4 s importing torch,
-torch._dynamo, FSDP and DCP before its first step, and a 2-rank torchrun run pays that three times
-(the launcher and both workers). The server imports those modules once; each launch forks from it.
+torch._dynamo, FSDP and DCP before its first step (and model=hf 3 s more on transformers, and 2.4 s on
+DeepSpeed at its final save), and a 2-rank torchrun run pays that three times (the launcher and both
+workers). The server imports those modules once; each launch forks from it.
 
 The launch is still real: `run_cli` starts `python -S tests/zygote.py -m ddptrain ARGS` (a client
 that imports nothing beyond the standard library), and under torchrun the workers are real torchrun
@@ -17,9 +18,9 @@ is only what importing those modules did, which `python -m` would have done the 
 
 A launch whose environment would have changed what those imports did (PYTHON*, TORCHDYNAMO*,
 TORCHINDUCTOR*, CUDA_* and the thread-count variables other than OMP_NUM_THREADS, which the
-child applies) becomes a plain `python -m` instead (the client execs it), as does every launch when
-no server is up. HF_*, TRANSFORMERS* and TOKENIZERS* are the launch's own: the server imports no
-Hugging Face library (were one imported, they would be compared too).
+child applies; HF_*, TRANSFORMERS*, TOKENIZERS*, DS_* and ACCELERATE* where transformers or DeepSpeed
+is preloaded) becomes a plain `python -m` instead (the client execs it), as does every launch when
+no server is up. HF_DATASETS_* are the launch's own: the server does not import `datasets`.
 
     python tests/zygote.py serve SOCKET     the server (tests/conftest.py starts one per test process)
     python -S tests/zygote.py -m MODULE ... a launch through the server named by DDPTRAIN_TEST_ZYGOTE
@@ -37,21 +38,34 @@ import sys
 
 ENV_VAR = "DDPTRAIN_TEST_ZYGOTE"
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-           "torch.distributed.tensor", "torch.optim", "numpy", "hydra", "hydra.utils", "omegaconf", "yaml")
-"""What `python -m ddptrain` imports anyway before its first step (not a module that a launch runs: runpy warns)."""
+           "torch.distributed.tensor", "torch.optim", "numpy", "hydra", "hydra.utils", "omegaconf", "yaml", "deepspeed",
+           "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+           "transformers.models.auto.tokenization_auto", "transformers.models.llama.modeling_llama", "peft")
+"""What `python -m ddptrain` imports anyway (not a module that a launch runs: runpy warns): torch, Hydra
+and the rest before its first step; transformers and PEFT where model=hf (the tests' models are Llamas);
+DeepSpeed where a ZeRO run starts and where a model=hf run saves its final weights (transformers'
+save_pretrained asks accelerate to unwrap the model, which imports DeepSpeed, and DeepSpeed mlflow,
+where they are installed: 2.4 s of CPU, 7 s of wall under load). Importing DeepSpeed leaves
+`compiler.compile` as it was, so ddptrain's `import_deepspeed` still defers the Muon kernels' compiles
+in the launch. transformers and PEFT take 3 s of CPU, in each process of each model=hf launch."""
 FROZEN_PREFIXES = ("PYTHON", "TORCH_LOGS", "TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_COMPILE", "PYTORCH", "HF_",
-                   "TRANSFORMERS", "CUDA_", "OMP_", "KMP_", "MKL_", "OPENBLAS", "LD_", "GOMP", "TOKENIZERS")
+                   "TRANSFORMERS", "CUDA_", "OMP_", "KMP_", "MKL_", "OPENBLAS", "LD_", "GOMP", "TOKENIZERS", "DS_",
+                   "ACCELERATE")
 """Environment variables that importing PRELOAD may have read: a launch must match the server on them
 (torchrun's own RANK, TORCHELASTIC_* and the rest are read later, by the launched module)."""
 APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR"}
 """Those of them that the child applies itself (sys.path, unbuffered stdio, torch's thread count) or
 that are read later (inductor's cache, which torchrun sets for each worker)."""
-HF_PREFIXES = ("HF_", "TRANSFORMERS", "TOKENIZERS")
+HF_PREFIXES = ("HF_", "TRANSFORMERS", "TOKENIZERS", "ACCELERATE")
 HF_LIBRARIES = {"huggingface_hub", "transformers", "tokenizers", "datasets", "safetensors", "accelerate", "peft", "trl"}
+DATASETS_PREFIX = "HF_DATASETS_"
 """Variables that only the Hugging Face libraries read (torch and numpy read none of them), and those
-libraries: while the server has imported none of them, a launch's own HF_HUB_OFFLINE,
-TOKENIZERS_PARALLELISM and the rest are read later, by the launched module's imports, from the
-environment the child is given (the benchmarks set them for their workers)."""
+libraries; of those variables, HF_DATASETS_* only `datasets` reads (the benchmarks give TRL's workers a
+cache of their own). Where the server has imported none of those libraries (PRELOAD without
+transformers and PEFT installed), a launch's own HF_* and the rest are read later, by the launched
+module's imports, from the environment the child is given; where it has, only HF_DATASETS_* are,
+while `datasets` is not imported. tests/conftest.py gives the whole session HF_HUB_OFFLINE=1 and
+TOKENIZERS_PARALLELISM=false, the values the benchmarks set for their workers, so that those fork too."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -62,8 +76,12 @@ def frozen(env: dict, read_later: tuple[str, ...] = ()) -> dict:
 
 
 def read_later() -> tuple[str, ...]:
-    """HF_PREFIXES while no Hugging Face library is imported in this process, else none."""
-    return () if any(name.partition(".")[0] in HF_LIBRARIES for name in sys.modules) else HF_PREFIXES
+    """The prefixes of the variables that no library imported in this process has read: HF_PREFIXES while
+    no Hugging Face library is imported, else HF_DATASETS_ while `datasets` is not."""
+    imported = {name.partition(".")[0] for name in sys.modules}
+    if not imported & HF_LIBRARIES:
+        return HF_PREFIXES
+    return () if "datasets" in imported else (DATASETS_PREFIX,)
 
 
 def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
@@ -195,7 +213,12 @@ def serve(path: str) -> None:
                     if request is None:
                         conn.close()
                         continue
-                    if frozen(request["env"], later) != server_frozen or _module_argv(request["argv"]) is None:
+                    launch_frozen = frozen(request["env"], later)
+                    if not _matches(launch_frozen, server_frozen, set_by_imports) or _module_argv(request["argv"]) is None:
+                        differing = sorted(key for key in {*launch_frozen, *server_frozen}
+                                           if launch_frozen.get(key) != server_frozen.get(key)
+                                           and set_by_imports.get(key) != launch_frozen.get(key))
+                        print(f"refused {request['argv'][:3]}: {differing or 'not -m MODULE'}", file=sys.stderr, flush=True)
                         for fd in fds:
                             os.close(fd)
                         _send(conn, {"refused": True})
@@ -235,6 +258,13 @@ def serve(path: str) -> None:
         for pid in children:
             _kill(pid, signal.SIGKILL)
         os.unlink(path)
+
+
+def _matches(launch: dict, server: dict, set_by_imports: dict) -> bool:
+    """Whether a launch's frozen variables are the server's, but for those that the server's imports set
+    and the launch holds with the same value: a forked launcher passes them on to its own children
+    (torchrun to its workers: DeepSpeed's import sets PYTORCH_NVML_BASED_CUDA_CHECK=1)."""
+    return {key: value for key, value in launch.items() if set_by_imports.get(key) != value} == server
 
 
 def _kill(pid: int, signum: int) -> None:
