@@ -56,13 +56,18 @@ def model_tokenizer_and_lora(args):
                                         task_type="CAUSAL_LM")
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: Linux's VmHWM, as ddptrain's runs read theirs (getrusage's
+    ru_maxrss would also hold the peak of the process this one was exec'd from: torchrun's)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))  # kB
+
+
 def finish(args, counts: dict[str, dict[int, int]], step_ends: dict[int, float], dataset: dict) -> None:
     """Rank 0 writes OUT/result.json: each of `counts` (per step, this rank's) summed over the timed steps
     and the ranks, the timed seconds, `dataset` and rank 0's peak RSS (VmHWM); then the process group ends."""
     import torch
     import torch.distributed as dist
-
-    from ddptrain.train.metrics import peak_memory_bytes
 
     timed = range(args.timed_from + 1, args.steps + 1)
     totals = torch.tensor([sum(per_step.get(s, 0) for s in timed) for per_step in counts.values()])
@@ -72,7 +77,7 @@ def finish(args, counts: dict[str, dict[int, int]], step_ends: dict[int, float],
     if not distributed or dist.get_rank() == 0:
         result = {**dict(zip(counts, map(int, totals))), **dataset,
                   "seconds": step_ends[args.steps] - step_ends[args.timed_from],
-                  "peak_rss_bytes": peak_memory_bytes(torch.device("cpu"))}  # VmHWM, as ddptrain's runs read theirs
+                  "peak_rss_bytes": peak_rss_bytes()}
         Path(args.out, "result.json").write_text(json.dumps(result))
     # A DDP module still alive when the process exits with its group sometimes aborts it ("terminate
     # called without an active exception"; see ddptrain/__main__.py): the caller freed its trainer.
