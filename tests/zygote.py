@@ -217,7 +217,7 @@ def serve(path: str) -> None:
                     if not _matches(launch_frozen, server_frozen, set_by_imports) or _module_argv(request["argv"]) is None:
                         differing = sorted(key for key in {*launch_frozen, *server_frozen}
                                            if launch_frozen.get(key) != server_frozen.get(key)
-                                           and set_by_imports.get(key) != launch_frozen.get(key))
+                                           and not (key in set_by_imports and set_by_imports[key] == launch_frozen.get(key)))
                         print(f"refused {request['argv'][:3]}: {differing or 'not -m MODULE'}", file=sys.stderr, flush=True)
                         for fd in fds:
                             os.close(fd)
