@@ -98,6 +98,10 @@ COMMANDS = {
     "--rounds 1 --steps 3 --log-every 1 --pairs 200 --global-batch 16 --micro 2 --seq-len 256":
         "not run: minutes on the real model; tests/test_benchmarks_peer.py::"
         "test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl runs it at a small size",
+    "python -m benchmarks.bench_peer --mode dpo --real --finetune lora,full --contenders ddptrain-default,trl "
+    "--rounds 2 --steps 3 --log-every 1 --pairs 200 --global-batch 16 --micro 2 --seq-len 256":
+        "not run: minutes on the real model; tests/test_benchmarks_peer.py::"
+        "test_peer_benchmark_dpo_real_mode_prints_pairs_per_second_and_peak_memory_beside_trl runs it at a small size",
     "python -m benchmarks.bench_peer --mode grpo --real --finetune lora,full --rounds 1 --steps 3 "
     "--prompts-per-step 4 --group-size 4 --max-new-tokens 16":
         "not run: minutes on the real model; tests/test_benchmarks_peer.py::"
