@@ -213,11 +213,8 @@ def serve(path: str) -> None:
                     if request is None:
                         conn.close()
                         continue
-                    launch_frozen = frozen(request["env"], later)
-                    if not _matches(launch_frozen, server_frozen, set_by_imports) or _module_argv(request["argv"]) is None:
-                        differing = sorted(key for key in {*launch_frozen, *server_frozen}
-                                           if launch_frozen.get(key) != server_frozen.get(key)
-                                           and not (key in set_by_imports and set_by_imports[key] == launch_frozen.get(key)))
+                    differing = _differing(frozen(request["env"], later), server_frozen, set_by_imports)
+                    if differing or _module_argv(request["argv"]) is None:
                         print(f"refused {request['argv'][:3]}: {differing or 'not -m MODULE'}", file=sys.stderr, flush=True)
                         for fd in fds:
                             os.close(fd)
@@ -260,11 +257,12 @@ def serve(path: str) -> None:
         os.unlink(path)
 
 
-def _matches(launch: dict, server: dict, set_by_imports: dict) -> bool:
-    """Whether a launch's frozen variables are the server's, but for those that the server's imports set
-    and the launch holds with the same value: a forked launcher passes them on to its own children
-    (torchrun to its workers: DeepSpeed's import sets PYTORCH_NVML_BASED_CUDA_CHECK=1)."""
-    return {key: value for key, value in launch.items() if set_by_imports.get(key) != value} == server
+def _differing(launch: dict, server: dict, set_by_imports: dict) -> list[str]:
+    """The frozen variables on which a launch differs from the server, but for those that the server's
+    imports set and the launch holds with the same value: a forked launcher passes them on to its own
+    children (torchrun to its workers: DeepSpeed's import sets PYTORCH_NVML_BASED_CUDA_CHECK=1)."""
+    launch = {key: value for key, value in launch.items() if set_by_imports.get(key) != value}
+    return sorted(key for key in {*launch, *server} if launch.get(key) != server.get(key))
 
 
 def _kill(pid: int, signum: int) -> None:
