@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -128,11 +128,12 @@ class Engine:
         positions = [self._valid_positions(targets) for _, targets in microbatches]
         microbatches = [self._to_device(inputs, targets) for inputs, targets in microbatches]
         counts, wait_for_counts = self._count_tokens(microbatches, objective)
-        microbatches, fillers = self._with_fillers(microbatches, counts[objective.counts - 1:], wait_for_counts,
-                                                   max_microbatches, clock, objective)
+        microbatches, count_fillers = self._with_fillers(microbatches, counts[objective.counts - 1:],
+                                                         wait_for_counts, max_microbatches, clock, objective)
         positions += [_NO_POSITIONS] * (len(microbatches) - len(positions))  # fillers: no valid target
         denominator = lambda: objective.denominator(counts[:objective.counts])  # noqa: E731 (after the wait)
         loss_sum = self._forward_backward(microbatches, positions, denominator, wait_for_counts, clock, objective)
+        fillers = count_fillers()  # all ranks' fillers: the counts' all-reduce has been waited for
         with clock.phase("optimizer"):
             grad_norm, applied = self._finish(counts[0])
         loss_wait = self._start_loss_reduce(loss_sum)
@@ -144,9 +145,14 @@ class Engine:
         return clock.stamp(stats)
 
     def _with_fillers(self, microbatches: list[Microbatch], counts: torch.Tensor, wait_for_counts,
-                      max_microbatches: int | None, clock: PhaseClock, objective) -> tuple[list[Microbatch], int]:
+                      max_microbatches: int | None, clock: PhaseClock,
+                      objective) -> tuple[list[Microbatch], Callable[[], int | torch.Tensor]]:
         """Pad with filler microbatches where the strategy needs every rank in every microbatch
-        (and give a rank without any one filler, so it still joins the gradient reduction)."""
+        (and give a rank without any one filler, so it still joins the gradient reduction).
+
+        Returns the padded microbatches and a callable that counts all ranks' fillers, to be called
+        only once the counts' all-reduce has been waited for: read before it, `counts` may still hold
+        this rank's own microbatch count alone, and the fillers counted from it are wrong."""
         if self.strategy.communicates_every_microbatch and is_distributed():
             if max_microbatches is None:
                 with clock.phase("comm"):  # the host must know how many microbatches to run
@@ -155,9 +161,10 @@ class Engine:
                 max_microbatches = max(per_rank)
             most = max(max_microbatches, 1)
             fillers = most - len(microbatches)
-            missing = most * get_world_size() - counts[1:].sum()  # all ranks' fillers, read when logged
+            missing = lambda: most * get_world_size() - counts[1:].sum()  # noqa: E731 (a device tensor)
         else:
-            fillers = missing = 0 if microbatches else 1
+            fillers = 0 if microbatches else 1
+            missing = lambda: fillers  # noqa: E731
         if fillers:
             inputs, targets = microbatches[0] if microbatches else self._template or _TOKEN_IDS
             microbatches = microbatches + [(filler_inputs(inputs), objective.filler(targets))] * fillers

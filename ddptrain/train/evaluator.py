@@ -113,8 +113,10 @@ class Evaluator:
             else:  # a filler: this rank's share is used up
                 inputs = torch.zeros(1, 1, dtype=torch.long)
                 targets = torch.full((1, 1), IGNORE_INDEX, dtype=torch.long)
-                if self.reference is not None:
-                    targets = PairTargets(targets, torch.full((1, 1), -1), 0, torch.zeros(0, dtype=torch.float64))
+                if self.reference is not None:  # a reference forward where real pairs take one (not precomputed):
+                    # where the strategy gathers in every forward (fsdp, zero3), every rank must join each one
+                    precomputed = torch.zeros(0, dtype=torch.float64) if self.val.reference is not None else None
+                    targets = PairTargets(targets, torch.full((1, 1), -1), 0, precomputed)
             if self.reference is not None:  # pairs: the mean DPO loss over the validation pairs
                 [(inputs, targets)] = self.reference.fill([(inputs, targets)])
                 inputs, targets = inputs.to(device), targets.to(device)

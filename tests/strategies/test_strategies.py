@@ -68,6 +68,24 @@ def test_fsdp_in_fp64_equals_one_process(case):
     assert "sharded" in results[0][2], "Engine.state_dict() must not return state without the optimizer"
 
 
+def _fillers_told_the_most(case: str) -> list[int]:
+    """filler_microbatches of 4 fsdp steps told `max_microbatches` as the trainer tells it (from the global
+    layout), so that no step waits for the counts before its first forward."""
+    model = tiny_gpt(torch.float64)
+    engine = ddptrain.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), "fsdp", precision="fp64")
+    most = max(len(case_microbatches(case, rank)) for rank in range(ddptrain.get_world_size()))
+    return [engine.step(case_microbatches(case, ddptrain.get_rank()), max_microbatches=most).filler_microbatches
+            for _ in range(4)]
+
+
+@pytest.mark.slow
+def test_fillers_are_counted_from_the_reduced_counts_when_the_trainer_gives_the_most():
+    """All ranks' fillers: 1 where rank 1 holds one microbatch fewer, 0 where both hold two. Counted before
+    the counts' all-reduce was waited for, a rank read its own count alone (2 x 3 - 3 and 2 x 3 - 2 here)."""
+    assert run_distributed(_fillers_told_the_most, 2, RAGGED) == [[1] * 4, [1] * 4]
+    assert run_distributed(_fillers_told_the_most, 2, "rank_without_valid_targets") == [[0] * 4, [0] * 4]
+
+
 @pytest.mark.slow
 def test_fsdp_clips_by_the_global_norm_of_sharded_gradients():
     results = run_distributed(_step, 2, "fsdp", RAGGED, "fp64", 0.1)

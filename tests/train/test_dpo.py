@@ -22,6 +22,9 @@ from tests.helpers import import_deepspeed, import_optional, read_metrics, run_c
 
 transformers = import_optional("transformers")
 SEQ = 96
+# A token budget under which the 48 pairs leave a rank short of microbatches in training steps 2 and 3 and in
+# evaluation (a rank runs fillers, the reference's forward included): at 2 * SEQ both ranks hold as many
+BUDGET = 5 * SEQ // 4
 METRICS = ("loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 DPO_RUN = ["model=hf", "data=preference", "objective=dpo", "trainer.precision=fp64", "trainer.log_every=1",
            "trainer.max_steps=3", "optim=sgd", "optim.lr=0.5", "trainer.grad_clip=null", "trainer.eval_examples=4",
@@ -82,7 +85,7 @@ def pairs_48(tmp_path_factory) -> LaunchedOnce:
 def test_dpo_is_exact_over_layouts_ranks_budgets_packing_and_resume(pairs_48, tmp_path, lora):
     layouts = {"1x8": (1, ["batch.pack=false", "batch.micro_size=8"]),
                "2x2": (2, ["batch.pack=false", "batch.micro_size=2"]),  # resumed in the default layout
-               "2 ranks, budget": (2, [f"batch.micro_tokens={2 * SEQ}"]),
+               "2 ranks, budget": (2, [f"batch.micro_tokens={BUDGET}"]),
                "packed": (1, ["batch.pack=true", "batch.micro_size=1"]),
                "2 ranks, packed, budget": (2, ["batch.pack=true", f"batch.micro_tokens={4 * SEQ}"])}
     curves, outputs = {}, {}
@@ -202,11 +205,11 @@ def test_precomputed_reference_log_probs_give_the_same_run_survive_a_resume_and_
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_dpo_gives_the_same_losses_and_rewards_on_fsdp_and_zero2_as_ddp(pairs_48, lora):
     """fsdp in fp64 to 1e-9 and zero2 in fp32 to 1e-6 against ddp, 2 ranks under a token budget (ragged
-    microbatch counts: a rank runs filler forwards, the reference's included)."""
+    microbatch counts in training and evaluation: a rank runs filler forwards, the reference's included)."""
     import_deepspeed()
     runs = {"ddp fp64": [], "fsdp fp64": ["strategy=fsdp"], "ddp fp32": ["trainer.precision=fp32"],
             "zero2 fp32": ["strategy=zero2", "trainer.precision=fp32"]}
-    curves = {name: read_metrics(pairs_48.run(lora, 2, [f"batch.micro_tokens={2 * SEQ}", *options])[0])
+    curves = {name: read_metrics(pairs_48.run(lora, 2, [f"batch.micro_tokens={BUDGET}", *options])[0])
               for name, options in runs.items()}
     assert any(m["filler_microbatches"] > 0 for m in curves["fsdp fp64"]), "the budget must leave a rank short"
     # (relative, absolute) tolerances; the rewards' margin can pass near 0, where only an absolute one holds
@@ -219,6 +222,8 @@ def test_dpo_gives_the_same_losses_and_rewards_on_fsdp_and_zero2_as_ddp(pairs_48
                 if not (key == "reward_accuracy" and mine["step"] == 1):
                     assert math.isclose(mine[key], ref[key], rel_tol=tolerance, abs_tol=absolute), \
                         (other, mine["step"], key, mine[key], ref[key])
+        # the evaluation's fillers (a rank short of microbatches runs the reference's forward too): the same loss
+        assert math.isclose(curves[other][-1]["val_loss"], curves[reference][-1]["val_loss"], rel_tol=tolerance)
 
 
 def _tree(directory) -> dict[str, bytes]:
